@@ -1,0 +1,77 @@
+"""torchinstruments_core: passive, sampled telemetry of a PyTorch model's activations and gradients.
+
+Attach with ``inject_observer(model, ...)``; remove with ``remove_observer(model)``. The package
+imports only torch; optional writers import their backends when used.
+"""
+
+from torchinstruments_core._exceptions import (
+    ConfigurationError,
+    MissingDependencyError,
+    ObservationError,
+    ObservationWarning,
+    ObserverAlreadyAttachedError,
+    TorchInstrumentsError,
+)
+from torchinstruments_core._inject import inject_observer, remove_observer
+from torchinstruments_core._observer import Observer
+from torchinstruments_core._records import (
+    HistogramRecord,
+    LayerInfo,
+    RunInfo,
+    SampleRecord,
+    Signal,
+    StatRow,
+    UnavailableReason,
+)
+from torchinstruments_core.reducers import (
+    HistogramReducer,
+    MomentsReducer,
+    QuantileReducer,
+    Reducer,
+    default_reducers,
+)
+from torchinstruments_core.samplers import (
+    AlwaysSampler,
+    EveryNForwardsSampler,
+    IntervalSampler,
+    Sampler,
+)
+from torchinstruments_core.selectors import Selector, all_of, any_of, by_name, by_type, leaf_modules
+from torchinstruments_core.sinks import Sink
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlwaysSampler",
+    "ConfigurationError",
+    "EveryNForwardsSampler",
+    "HistogramRecord",
+    "HistogramReducer",
+    "IntervalSampler",
+    "LayerInfo",
+    "MissingDependencyError",
+    "MomentsReducer",
+    "ObservationError",
+    "ObservationWarning",
+    "Observer",
+    "ObserverAlreadyAttachedError",
+    "QuantileReducer",
+    "Reducer",
+    "RunInfo",
+    "SampleRecord",
+    "Sampler",
+    "Selector",
+    "Signal",
+    "Sink",
+    "StatRow",
+    "TorchInstrumentsError",
+    "UnavailableReason",
+    "all_of",
+    "any_of",
+    "by_name",
+    "by_type",
+    "default_reducers",
+    "inject_observer",
+    "leaf_modules",
+    "remove_observer",
+]

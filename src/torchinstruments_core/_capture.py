@@ -1,0 +1,185 @@
+"""Where the engine touches the model: root scope, per-module output hooks and gradient hooks.
+
+The root's pre- and post-hooks are the only hooks that run on an unsampled forward. The per-module
+hooks are registered when a sampled root forward starts and removed when it ends, so an unsampled
+forward runs no per-module hook at all. Gradients are captured with tensor hooks on the observed
+outputs, which survive in-place ops that follow the module (``register_full_backward_hook`` does
+not).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from torchinstruments_core._hooks import ForwardPatch, Hook
+from torchinstruments_core._records import Signal
+from torchinstruments_core._sample import Sample, Site
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+    from torch import nn
+    from torch.utils.hooks import RemovableHandle
+
+    from torchinstruments_core._layers import Layer
+
+
+class GradientSlot:
+    """The tensor hook on one observed output: hands its gradient to the observer's sample."""
+
+    __slots__ = ("_on_gradient", "histogram", "sample", "sentinel", "site")
+
+    def __init__(
+        self,
+        on_gradient: Callable[[GradientSlot, torch.Tensor], None],
+        sample: Sample,
+        site: Site,
+        histogram: bool,
+        sentinel: object,
+    ) -> None:
+        self._on_gradient = on_gradient
+        self.sample = sample
+        self.site = site
+        self.histogram = histogram
+        # Held only by this hook: when autograd frees the graph, the sentinel dies with it.
+        self.sentinel = sentinel
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self._on_gradient(self, grad)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> None:
+        return None
+
+
+class Attachment:
+    """The hooks and patches one observer placed on a model, removed all at once.
+
+    Args:
+        model: The observed root module.
+        layers: The observed modules.
+        on_enter: Called when a root forward starts.
+        on_exit: Called with the root output (``None`` if the forward raised) when it ends.
+        on_output: Called with a layer and its output during a sampled forward.
+        direct: Patch ``forward`` instead of using module hooks, so that direct
+            ``module.forward(x)`` calls are observed too.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: list[Layer],
+        *,
+        on_enter: Callable[[], None],
+        on_exit: Callable[[Any], None],
+        on_output: Callable[[Layer, Any], None],
+        direct: bool,
+    ) -> None:
+        self._model = model
+        self._layers = [layer for layer in layers if layer.module is not model]
+        self._on_enter = on_enter
+        self._on_exit = on_exit
+        self._on_output = on_output
+        self._direct = direct
+        self._handles: list[RemovableHandle] = []
+        self._armed: list[RemovableHandle] = []
+        self._patched: list[tuple[nn.Module, ForwardPatch]] = []
+        self.armed = False
+        self._layer_hooks = [
+            Hook(functools.partial(self._layer_hook, layer)) for layer in self._layers
+        ]
+
+    @classmethod
+    def empty(cls) -> Attachment:
+        """An attachment to nothing: what a removed observer keeps, so it holds no module."""
+        from torch import nn
+
+        return cls(
+            nn.Module(), [], on_enter=_nothing, on_exit=_nothing, on_output=_nothing, direct=False
+        )
+
+    def attach(self) -> None:
+        """Place the root hooks (or the forward patches); all or nothing."""
+        try:
+            if self._direct:
+                self._patch(self._model, self._root_forward)
+                for layer in self._layers:
+                    self._patch(layer.module, functools.partial(self._layer_forward, layer))
+            else:
+                self._attach_root_hooks()
+        except BaseException:
+            self.detach()
+            raise
+
+    def _attach_root_hooks(self) -> None:
+        enter = Hook(lambda _module, _args: self._on_enter())
+        exit_ = Hook(lambda _module, _args, output: self._on_exit(output))
+        self._handles.append(self._model.register_forward_pre_hook(enter))
+        # always_call: the scope closes even when the forward raises.
+        self._handles.append(self._model.register_forward_hook(exit_, always_call=True))
+
+    def detach(self) -> None:
+        """Remove every hook and restore every patched ``forward``. Safe to call twice."""
+        self.disarm()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for module, patch in reversed(self._patched):
+            if module.__dict__.get("forward") is not patch:
+                continue  # someone patched over us; leave their forward in place
+            if patch.replaced_instance_attribute:
+                module.__dict__["forward"] = patch.original
+            else:
+                del module.__dict__["forward"]
+        self._patched.clear()
+
+    def arm(self) -> None:
+        """Register the per-module hooks for the sampled forward that starts now."""
+        self.armed = True
+        if self._direct:
+            return
+        for layer, hook in zip(self._layers, self._layer_hooks, strict=True):
+            self._armed.append(layer.module.register_forward_hook(hook))
+
+    def disarm(self) -> None:
+        """Remove the per-module hooks; the next unsampled forward runs none."""
+        self.armed = False
+        for handle in self._armed:
+            handle.remove()
+        self._armed.clear()
+
+    def _layer_hook(self, layer: Layer, _module: nn.Module, _args: Any, output: Any) -> None:
+        self._on_output(layer, output)
+
+    def _patch(self, module: nn.Module, observe: Callable[..., Any]) -> None:
+        replaced = "forward" in module.__dict__
+        patch = ForwardPatch(module.forward, observe, replaced_instance_attribute=replaced)
+        module.__dict__["forward"] = patch
+        self._patched.append((module, patch))
+
+    def _root_forward(self, original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        self._on_enter()
+        output = None
+        try:
+            output = original(*args, **kwargs)
+        finally:
+            self._on_exit(output)
+        return output
+
+    def _layer_forward(
+        self, layer: Layer, original: Callable[..., Any], args: Any, kwargs: Any
+    ) -> Any:
+        output = original(*args, **kwargs)
+        if self.armed:
+            self._on_output(layer, output)
+        return output
+
+
+def gradient_signal_site(site: Site) -> Site:
+    """The site of the gradient that flows back into an observed output."""
+    return Site(site.layer, site.call_index, Signal.OUTPUT_GRADIENT, site.tensor_path)
+
+
+def _nothing(*_args: object) -> None:
+    return None

@@ -1,0 +1,48 @@
+"""Policies and the validation of ``inject_observer`` arguments."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from torchinstruments_core._exceptions import ConfigurationError
+
+
+class RankPolicy(StrEnum):
+    """Which processes of a distributed run observe."""
+
+    RANK0 = "rank0"
+    ALL = "all"
+
+
+class ErrorPolicy(StrEnum):
+    """What a failure while observing does: warn and record it, or raise."""
+
+    WARN = "warn"
+    RAISE = "raise"
+
+
+E = TypeVar("E", bound=StrEnum)
+
+
+def parse_choice(enum: type[E], argument: str, value: Any) -> E:
+    """Return ``value`` as a member of ``enum``, or raise naming the argument and the choices."""
+    try:
+        return enum(value)
+    except ValueError:
+        raise ConfigurationError.invalid(argument, value, [m.value for m in enum]) from None
+
+
+def check_exclusive(**arguments: object) -> None:
+    """Raise when more than one of ``arguments`` is given (not ``None``), naming them."""
+    given = [name for name, value in arguments.items() if value is not None]
+    if len(given) > 1:
+        names = " and ".join(f"`{name}`" for name in given)
+        raise ConfigurationError(f"{names} cannot be given together; pass only one of them")
+
+
+def check_positive_int(argument: str, value: Any, *, minimum: int) -> int:
+    """Return ``value`` if it is an int >= ``minimum``, else raise naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigurationError.invalid(argument, value, f"an int >= {minimum}")
+    return value

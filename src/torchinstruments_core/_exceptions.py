@@ -1,0 +1,57 @@
+"""Exceptions raised by torchinstruments.
+
+The tree::
+
+    TorchInstrumentsError
+    ├── ConfigurationError (also a ValueError)   a bad argument, raised at once
+    ├── ObserverAlreadyAttachedError             a second observer on the same model
+    ├── ObservationError                         observing failed, under error_policy="raise"
+    ├── RunDirectoryExistsError (also a FileExistsError)  output_dir already holds a run
+    └── MissingDependencyError (also an ImportError)  an optional package is not installed
+
+``ObservationWarning`` is the warning issued instead of ``ObservationError`` under the default
+``error_policy="warn"``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+
+class TorchInstrumentsError(Exception):
+    """Base class of every error this package raises."""
+
+
+class ConfigurationError(TorchInstrumentsError, ValueError):
+    """An argument has a value that cannot work; raised before anything is attached."""
+
+    @classmethod
+    def invalid(
+        cls, argument: str, value: object, expected: str | Iterable[str]
+    ) -> ConfigurationError:
+        """Build the error naming the argument, the value given and what is allowed."""
+        allowed = expected if isinstance(expected, str) else ", ".join(repr(e) for e in expected)
+        return cls(f"{argument}={value!r} is not valid; expected {allowed}")
+
+
+class ObserverAlreadyAttachedError(TorchInstrumentsError):
+    """The model already has an observer; remove it before injecting another."""
+
+
+class ObservationError(TorchInstrumentsError):
+    """Observing failed (a reducer, a sink) and ``error_policy="raise"`` asked to stop."""
+
+
+class MissingDependencyError(TorchInstrumentsError, ImportError):
+    """An optional package is needed for this feature; the message gives the install command."""
+
+
+class ObservationWarning(UserWarning):
+    """Observing failed and training went on; the message says what was lost."""
+
+
+class RunDirectoryExistsError(TorchInstrumentsError, FileExistsError):
+    """The output directory already holds a run; a new run never overwrites or mixes into it."""

@@ -1,0 +1,184 @@
+"""``inject_observer`` and ``remove_observer``: the two calls a user needs."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from torchinstruments_core._config import (
+    ErrorPolicy,
+    RankPolicy,
+    check_exclusive,
+    check_positive_int,
+    parse_choice,
+)
+from torchinstruments_core._exceptions import ConfigurationError
+from torchinstruments_core._layers import select_layers
+from torchinstruments_core._measure import Measurer
+from torchinstruments_core._observer import Observer, ObserverConfig
+from torchinstruments_core._registry import claim, lookup
+from torchinstruments_core.reducers import HistogramReducer, Reducer, default_reducers
+from torchinstruments_core.samplers import IntervalSampler, Sampler
+from torchinstruments_core.selectors import SelectorFn, leaf_modules
+
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Sequence
+
+    from torchinstruments_core.sinks import Sink
+
+DEFAULT_INTERVAL_SECONDS = 60.0
+DEFAULT_OUTPUT_DIR = "telemetry"
+
+
+def inject_observer(
+    model: nn.Module,
+    *,
+    interval: float | None = None,
+    sampler: Sampler | None = None,
+    selector: SelectorFn | None = None,
+    reducers: Sequence[Reducer] | None = None,
+    output_dir: str | os.PathLike[str] | None = None,
+    sink: Sink | None = None,
+    histogram_selector: SelectorFn | None = None,
+    max_histogram_modules: int = 8,
+    histogram_bins: int = 64,
+    rank_policy: str = "rank0",
+    error_policy: str = "warn",
+    capture_direct_forwards: bool = False,
+    run_id: str | None = None,
+) -> Observer:
+    """Observe ``model``: sampled statistics of its modules' outputs and output gradients.
+
+    The model is never changed: no parameter, buffer or module is added, outputs and gradients are
+    bit-identical, and ``remove_observer`` leaves no hook behind. On a forward that is not sampled
+    only two hooks on the root run; no per-module hook, no reducer.
+
+    Args:
+        model: The root module. A sample is one call of it (and the backward through its graph).
+        interval: Seconds between samples: the first root forward, then the first after each
+            interval (default 60). Not together with ``sampler``.
+        sampler: Which root forwards are sampled, e.g. ``EveryNForwardsSampler(100)``.
+        selector: ``(name, module) -> bool`` choosing the observed modules (default
+            ``leaf_modules()``). Names are the model's own, without wrapper attributes.
+        reducers: Scalar reducers (default ``default_reducers()``: mean, std, min, max, p25, p50,
+            p75, zero_fraction, nonfinite_fraction, rms, max_abs).
+        output_dir: Folder of the run directory (default ``"telemetry"``). Not together with
+            ``sink``.
+        sink: Where finished samples go instead of a run directory, e.g. ``RecordingSink()``.
+        histogram_selector: Chooses the focus modules that also get histograms (default: up to
+            ``max_histogram_modules`` spread evenly over the observed modules).
+        max_histogram_modules: At most this many focus modules (0 turns histograms off).
+        histogram_bins: Bins of each histogram, spanning the tensor's finite range.
+        rank_policy: ``"rank0"`` observes only global rank 0; ``"all"`` observes every rank.
+        error_policy: ``"warn"``: a failing reducer or sink warns once and training goes on, the
+            values recorded as unavailable; ``"raise"``: raise ``ObservationError``.
+        capture_direct_forwards: Also observe ``module.forward(x)`` calls that bypass
+            ``module(x)``, by patching ``forward`` on the instances (removal restores it). Costs a
+            Python call per observed module on every forward.
+        run_id: Identifier written with every row; pass the same one on every rank to group a
+            distributed run (default: generated from the time and a random suffix, per process).
+
+    Returns:
+        The attached ``Observer``; also a context manager that removes itself.
+
+    Raises:
+        ObserverAlreadyAttachedError: ``model`` already has an observer.
+        ConfigurationError: An argument is invalid (a ``ValueError``).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from torchinstruments_core import AlwaysSampler, inject_observer
+        >>> from torchinstruments_core.testing import RecordingSink
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> sink = RecordingSink()
+        >>> with inject_observer(model, sampler=AlwaysSampler(), sink=sink):
+        ...     model(torch.randn(16, 4)).sum().backward()
+        >>> sink.value("0", "output", "std") > 0
+        True
+        >>> sink.value("2", "output_gradient", "mean")
+        1.0
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError.invalid("model", type(model).__name__, "a torch.nn.Module")
+    histograms = check_positive_int("max_histogram_modules", max_histogram_modules, minimum=0)
+    bins = check_positive_int("histogram_bins", histogram_bins, minimum=1)
+    config = ObserverConfig(
+        layers=select_layers(model, _selector(selector), histogram_selector, histograms),
+        sampler=_build_sampler(interval, sampler),
+        measurer=Measurer(_check_reducers(reducers), HistogramReducer(bins=bins)),
+        sink=_build_sink(output_dir, sink),
+        rank_policy=parse_choice(RankPolicy, "rank_policy", rank_policy),
+        error_policy=parse_choice(ErrorPolicy, "error_policy", error_policy),
+        capture_direct_forwards=bool(capture_direct_forwards),
+        run_id=run_id or _new_run_id(),
+    )
+    observer = Observer(model, config)
+    claim(model, observer)
+    try:
+        observer._attach()
+    except BaseException:
+        observer.remove()
+        raise
+    return observer
+
+
+def remove_observer(target: nn.Module | Observer) -> None:
+    """Remove the observer of a model (or the given observer). Does nothing if there is none."""
+    observer = lookup(target) if isinstance(target, nn.Module) else target
+    if observer is not None:
+        observer.remove()
+
+
+def _build_sampler(interval: float | None, sampler: Sampler | None) -> Sampler:
+    check_exclusive(interval=interval, sampler=sampler)
+    if sampler is None:
+        return IntervalSampler(DEFAULT_INTERVAL_SECONDS if interval is None else interval)
+    if not callable(getattr(sampler, "should_sample", None)):
+        raise ConfigurationError.invalid("sampler", sampler, "an object with should_sample(index)")
+    return sampler
+
+
+def _build_sink(output_dir: str | os.PathLike[str] | None, sink: Sink | None) -> Sink:
+    check_exclusive(output_dir=output_dir, sink=sink)
+    if sink is not None:
+        for method in ("open", "write", "close"):
+            if not callable(getattr(sink, method, None)):
+                raise ConfigurationError.invalid("sink", sink, "an object with open, write, close")
+        return sink
+    from torchinstruments_core.run_directory import RunDirectorySink
+
+    return RunDirectorySink(DEFAULT_OUTPUT_DIR if output_dir is None else output_dir)
+
+
+def _check_reducers(reducers: Sequence[Reducer] | None) -> tuple[Reducer, ...]:
+    if reducers is None:
+        return default_reducers()
+    checked = tuple(reducers)
+    for reducer in checked:
+        if not isinstance(getattr(reducer, "metrics", None), tuple) or not callable(
+            getattr(reducer, "reduce", None)
+        ):
+            raise ConfigurationError.invalid(
+                "reducers", reducer, "reducers with metrics and reduce"
+            )
+    names = [m for r in checked for m in r.metrics]
+    if len(names) != len(set(names)):
+        raise ConfigurationError.invalid("reducers", names, "reducers with distinct metric names")
+    return checked
+
+
+def _new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def _selector(selector: SelectorFn | None) -> SelectorFn:
+    if selector is None:
+        return leaf_modules()
+    if not callable(selector):
+        raise ConfigurationError.invalid("selector", selector, "a (name, module) -> bool callable")
+    return selector

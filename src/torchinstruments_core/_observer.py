@@ -1,0 +1,416 @@
+"""The observer: decides which forwards are samples, measures them and hands them to the sink.
+
+Life of a sample: the root pre-hook asks the sampler (or the adapter's step plan) whether this root
+forward is sampled; if so the per-module hooks are armed, each selected module's outputs are
+reduced on their device and gradient hooks are placed on them. The sample closes when the first
+backward that reaches it completes, when autograd frees its graph without a backward, when its
+step ends, or at ``flush``/removal, whichever comes first. Then its values cross to the host in one
+transfer and the sink receives the ``SampleRecord``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import functools
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torchinstruments_core._capture import Attachment, GradientSlot, gradient_signal_site
+from torchinstruments_core._config import ErrorPolicy, RankPolicy
+from torchinstruments_core._exceptions import ObservationError, ObservationWarning
+from torchinstruments_core._nested import iter_tensors
+from torchinstruments_core._rank import RankInfo, current_rank
+from torchinstruments_core._records import RunInfo, Signal
+from torchinstruments_core._sample import Sample, Site
+from torchinstruments_core._torch_private import current_graph_task_id, in_backward, queue_callback
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+    from torch import nn
+
+    from torchinstruments_core._layers import Layer
+    from torchinstruments_core._measure import Measurement, Measurer
+    from torchinstruments_core._transfer import HostTransfer
+    from torchinstruments_core.samplers import Sampler
+    from torchinstruments_core.sinks import Sink
+
+
+@dataclass(frozen=True, slots=True)
+class _StepPlan:
+    step: int | None
+    sample: bool
+
+
+_IDLE = _StepPlan(step=None, sample=False)
+_REDUCER_CONSEQUENCE = "the values it could not compute are recorded as unavailable"
+_SINK_CONSEQUENCE = "what the sink did not take is lost"
+
+
+class _Sentinel:
+    """Lives exactly as long as some gradient hook of a sample (see ``GradientSlot.sentinel``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObserverConfig:
+    """Everything an observer needs besides the model, validated by ``inject_observer``."""
+
+    layers: list[Layer]
+    sampler: Sampler
+    measurer: Measurer
+    sink: Sink
+    rank_policy: RankPolicy
+    error_policy: ErrorPolicy
+    capture_direct_forwards: bool
+    run_id: str
+
+
+class Observer:
+    """Observes one model. Create it with ``inject_observer``; remove it with ``remove``.
+
+    Usable as a context manager: leaving the ``with`` block removes it.
+    """
+
+    def __init__(self, model: nn.Module, config: ObserverConfig) -> None:
+        self._model: nn.Module | None = model
+        self._model_class = type(model).__qualname__
+        self._config = config
+        self._layers = config.layers
+        self._root_layer = next((x for x in config.layers if x.module is model), None)
+        self._lock = threading.RLock()
+        self._rank: RankInfo | None = None
+        self._enabled = True
+        self._sink_open = False
+        self._removed = False
+        self._depth = 0
+        self._forward_index = 0
+        self._next_sample_id = 0
+        self._active: Sample | None = None
+        self._plan: _StepPlan | None = None
+        self._pending: dict[int, Sample] = {}
+        self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
+        self._in_flight: collections.deque[tuple[Sample, HostTransfer]] = collections.deque()
+        self._draining = False
+        self._warned: set[str] = set()
+        self._exit_hook = functools.partial(_remove_if_alive, weakref.ref(self))
+        self._attachment = Attachment(
+            model,
+            config.layers,
+            on_enter=self._on_root_enter,
+            on_exit=self._on_root_exit,
+            on_output=self._on_output,
+            direct=config.capture_direct_forwards,
+        )
+
+    # -- public surface ----------------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str:
+        """Identifier of this run (generated per process unless ``run_id`` was given)."""
+        return self._config.run_id
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """Clean names of the observed modules, in model order."""
+        return tuple(layer.name for layer in self._layers)
+
+    @property
+    def histogram_layer_names(self) -> tuple[str, ...]:
+        """The focus modules whose tensors also get histograms."""
+        return tuple(layer.name for layer in self._layers if layer.histogram)
+
+    @property
+    def attached(self) -> bool:
+        """Whether hooks are in place (``False`` after removal and on ranks that do not observe)."""
+        return not self._removed and self._enabled
+
+    @property
+    def samples_taken(self) -> int:
+        """Number of samples opened so far; the next sample gets this ``sample_id``."""
+        return self._next_sample_id
+
+    def begin_step(self, step: int, *, sample: bool) -> None:
+        """Announce that the coming root forwards belong to trainer step ``step``.
+
+        Every root forward until ``end_step`` is sampled when ``sample`` is true (all micro-batches
+        of an accumulated step), and none is otherwise. Once an adapter calls this, the sampler is
+        no longer consulted: forwards outside ``begin_step``/``end_step`` are not sampled.
+        """
+        self._plan = _StepPlan(step=step, sample=sample)
+
+    def end_step(self) -> None:
+        """Announce that the current step has ended: its samples close and go to the sink."""
+        plan, self._plan = self._plan, _IDLE
+        if plan is None or plan.step is None:
+            return
+        for sample in [s for s in self._pending.values() if s.step == plan.step]:
+            self._close(sample)
+        self._drain(wait=False)
+
+    def flush(self) -> None:
+        """Close every open sample and wait until the sink has received all of them."""
+        for sample in list(self._pending.values()):
+            self._close(sample)
+        self._drain(wait=True)
+
+    def remove(self) -> None:
+        """Remove every hook, deliver every sample and close the sink. Safe to call again."""
+        with self._lock:
+            if self._removed:
+                return
+            self._removed = True
+        self._attachment.detach()
+        try:
+            if self._enabled:
+                self.flush()
+                self._open_sink()
+                self._guard("close", self._config.sink.close)
+        finally:
+            self._release_references()
+
+    def __enter__(self) -> Observer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "attached" if self.attached else "removed"
+        return f"Observer({self._model_class}, layers={len(self._layers)}, {state})"
+
+    # -- attachment ---------------------------------------------------------------------------
+
+    def _attach(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            self._resolve_rank()
+        if self._enabled:
+            self._attachment.attach()
+            # A script that never removes its observer still gets a finalized run directory.
+            atexit.register(self._exit_hook)
+
+    def _release_references(self) -> None:
+        atexit.unregister(self._exit_hook)
+        from torchinstruments_core._registry import forget
+
+        if self._model is not None:
+            forget(self._model, self)
+        self._model = None
+        self._layers = []
+        self._root_layer = None
+        self._active = None
+        self._attachment = Attachment.empty()
+
+    def _resolve_rank(self) -> RankInfo:
+        if self._rank is None:
+            self._rank = current_rank()
+            self._enabled = self._config.rank_policy is RankPolicy.ALL or self._rank.rank == 0
+        return self._rank
+
+    # -- the forward --------------------------------------------------------------------------
+
+    def _on_root_enter(self) -> None:
+        self._depth += 1
+        if self._depth > 1 or self._removed or in_backward():
+            return  # a nested call of the root, or activation checkpointing recomputing it
+        started = time.perf_counter()
+        self._drain(wait=False)
+        index = self._forward_index
+        self._forward_index += 1
+        sample = self._open(index)
+        if sample is not None:
+            self._active = sample
+            self._attachment.arm()
+            sample.duration_s += time.perf_counter() - started
+
+    def _open(self, forward_index: int) -> Sample | None:
+        self._resolve_rank()
+        if not self._enabled:
+            return None
+        plan = self._plan
+        if plan is None:
+            if not self._config.sampler.should_sample(forward_index):
+                return None
+        elif not plan.sample:
+            return None
+        self._open_sink()
+        sample = Sample(self._next_sample_id, plan.step if plan else None, time.time())
+        self._next_sample_id += 1
+        sentinel = _Sentinel()
+        sample.sentinel = sentinel
+        self._finalizers[sample.sample_id] = weakref.finalize(
+            sentinel, self._on_graph_released, sample
+        )
+        return sample
+
+    def _on_root_exit(self, output: Any) -> None:
+        self._depth = max(self._depth - 1, 0)
+        if self._depth > 0 or self._active is None:
+            return
+        sample, self._active = self._active, None
+        started = time.perf_counter()
+        self._attachment.disarm()
+        if self._root_layer is not None and output is not None:
+            self._observe(sample, self._root_layer, output)
+        sample.duration_s += time.perf_counter() - started
+        if sample.expects_gradients and output is not None:
+            self._pending[sample.sample_id] = sample
+            sample.sentinel = None  # from now on only the graph keeps it alive
+        else:
+            self._close(sample)
+
+    def _on_output(self, layer: Layer, output: Any) -> None:
+        sample = self._active
+        if sample is None:
+            return
+        started = time.perf_counter()
+        self._observe(sample, layer, output)
+        sample.duration_s += time.perf_counter() - started
+
+    def _observe(self, sample: Sample, layer: Layer, output: Any) -> None:
+        call_index = sample.next_call_index(layer.name)
+        for path, tensor in iter_tensors(output):
+            site = Site(layer.name, call_index, Signal.OUTPUT, path)
+            sample.add(site, self._measure(tensor, site, layer.histogram))
+            if tensor.requires_grad:
+                self._watch_gradient(sample, site, tensor, layer.histogram)
+
+    def _watch_gradient(
+        self, sample: Sample, site: Site, tensor: torch.Tensor, histogram: bool
+    ) -> None:
+        gradient_site = gradient_signal_site(site)
+        slot = GradientSlot(self._on_gradient, sample, gradient_site, histogram, sample.sentinel)
+        sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
+        sample.expect_gradient(gradient_site, self._config.measurer.metrics)
+
+    # -- the backward -------------------------------------------------------------------------
+
+    def _on_gradient(self, slot: GradientSlot, grad: torch.Tensor) -> None:
+        sample = slot.sample
+        started = time.perf_counter()
+        task = current_graph_task_id()
+        with sample.lock:
+            if sample.closed:
+                return
+            if sample.backward_task is None:
+                sample.backward_task = task
+                queue_callback(functools.partial(self._on_backward_done, sample))
+            elif sample.backward_task != task:
+                return  # only the first backward that reaches a sample is recorded
+        sample.add(slot.site, self._measure(grad, slot.site, slot.histogram))
+        sample.duration_s += time.perf_counter() - started
+
+    def _on_backward_done(self, sample: Sample) -> None:
+        self._close(sample)
+
+    def _on_graph_released(self, sample: Sample) -> None:
+        # Autograd freed the graph: no backward will reach this sample any more. This runs inside
+        # garbage collection, where an exception cannot reach the user, so under "raise" the
+        # sample is delivered at the next safe point (a root forward, end_step, flush, removal).
+        self._close(sample, deliver=self._config.error_policy is ErrorPolicy.WARN)
+
+    # -- closing and delivery -----------------------------------------------------------------
+
+    def _close(self, sample: Sample, *, deliver: bool = True) -> None:
+        with self._lock:
+            with sample.lock:
+                if sample.closed:
+                    return
+                sample.closed = True
+            for handle in sample.handles:
+                handle.remove()
+            sample.handles.clear()
+            finalizer = self._finalizers.pop(sample.sample_id, None)
+            if finalizer is not None:
+                finalizer.detach()
+            self._pending.pop(sample.sample_id, None)
+            started = time.perf_counter()
+            transfer = sample.start_transfer()
+            sample.duration_s += time.perf_counter() - started
+            self._in_flight.append((sample, transfer))
+        if deliver:
+            self._drain(wait=False)
+
+    def _drain(self, *, wait: bool) -> None:
+        with self._lock:
+            if self._draining:
+                return  # a sink write re-entered the observer; the outer drain delivers
+            self._draining = True
+            try:
+                while self._in_flight:
+                    sample, transfer = self._in_flight[0]
+                    if not wait and not transfer.ready():
+                        break
+                    self._in_flight.popleft()
+                    self._deliver(sample, transfer)
+            finally:
+                self._draining = False
+
+    def _deliver(self, sample: Sample, transfer: HostTransfer) -> None:
+        rank = self._resolve_rank().rank
+        record = sample.build(transfer, run_id=self._config.run_id, rank=rank)
+        self._guard(f"write sample {record.sample_id}", self._config.sink.write, record)
+
+    def _open_sink(self) -> None:
+        if self._sink_open:
+            return
+        self._sink_open = True
+        self._guard("open the run", self._config.sink.open, self._run_info())
+
+    def _run_info(self) -> RunInfo:
+        rank = self._resolve_rank()
+        plan = "step-driven by the trainer adapter" if self._plan is not None else None
+        return RunInfo(
+            run_id=self._config.run_id,
+            rank=rank.rank,
+            world_size=rank.world_size,
+            rank_policy=str(self._config.rank_policy),
+            model_class=self._model_class,
+            sampling_policy=plan or repr(self._config.sampler),
+            layers=tuple(layer.info() for layer in self._layers),
+            metrics=self._config.measurer.metrics,
+        )
+
+    # -- failures -----------------------------------------------------------------------------
+
+    def _measure(self, tensor: torch.Tensor, site: Site, histogram: bool) -> Measurement:
+        measurement = self._config.measurer.measure(tensor, with_histogram=histogram)
+        for error in measurement.errors:
+            where = f"{site.layer} call {site.call_index} {site.signal} {site.tensor_path}"
+            key = f"reducer:{type(error).__name__}"
+            self._failed(f"a reducer failed on {where}", error, key, _REDUCER_CONSEQUENCE)
+        return measurement
+
+    def _guard(self, action: str, function: Callable[..., None], *args: Any) -> None:
+        try:
+            function(*args)
+        except Exception as error:
+            sink = type(self._config.sink).__name__
+            what = f"the sink {sink} could not {action}"
+            self._failed(what, error, f"sink:{action.split()[0]}", _SINK_CONSEQUENCE)
+
+    def _failed(self, what: str, error: BaseException, key: str, consequence: str) -> None:
+        message = f"torchinstruments: {what}: {type(error).__name__}: {error}"
+        if self._config.error_policy is ErrorPolicy.RAISE:
+            raise ObservationError(message) from error
+        if key not in self._warned:  # one warning per cause, not one per step
+            self._warned.add(key)
+            warnings.warn(
+                f"{message}. Training continues; {consequence}. Further failures of this kind "
+                "are not reported again. Pass error_policy='raise' to stop instead.",
+                ObservationWarning,
+                stacklevel=2,
+            )
+
+
+def _remove_if_alive(reference: weakref.ref[Observer]) -> None:
+    observer = reference()
+    if observer is not None:
+        observer.remove()

@@ -1,0 +1,115 @@
+"""The records that cross from the engine to sinks: one sample, its rows and its histograms.
+
+Rows follow the long table of the design: one row per scalar, ``value`` is ``None`` exactly when
+``unavailable_reason`` is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Signal(StrEnum):
+    """What a row describes."""
+
+    OUTPUT = "output"
+    OUTPUT_GRADIENT = "output_gradient"
+
+
+class UnavailableReason(StrEnum):
+    """Why a value could not be computed. A reducer error carries its message after a colon."""
+
+    EMPTY_TENSOR = "empty_tensor"
+    NO_FINITE_VALUES = "no_finite_values"
+    NON_FINITE_RESULT = "non_finite_result"
+    UNSUPPORTED_DTYPE = "unsupported_dtype"
+    SPARSE_TENSOR = "sparse_tensor"
+    META_TENSOR = "meta_tensor"
+    NO_GRADIENT = "no_gradient"
+    REDUCER_ERROR = "reducer_error"
+
+
+@dataclass(frozen=True, slots=True)
+class StatRow:
+    """One scalar of one tensor of one module call within a sample."""
+
+    layer: str
+    call_index: int
+    signal: Signal
+    tensor_path: str
+    metric: str
+    value: float | None
+    unavailable_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramRecord:
+    """A fixed-bin histogram of the finite entries of one tensor.
+
+    ``edges`` has one more entry than ``counts``; ``nonfinite_count`` entries were left out.
+    """
+
+    layer: str
+    call_index: int
+    signal: Signal
+    tensor_path: str
+    edges: tuple[float, ...]
+    counts: tuple[float, ...]
+    nonfinite_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRecord:
+    """Everything measured for one sample: a root forward and the backward through its graph.
+
+    Attributes:
+        run_id: Identifier of the run (per process unless the caller passed one to every rank).
+        rank: Global rank of the process that took the sample.
+        sample_id: 0, 1, 2 … within the run and rank.
+        step: The trainer step the sample belongs to, ``None`` without a trainer.
+        timestamp: Seconds since the epoch when the root forward began.
+        forward_only: No gradient reached any observed output of this sample.
+        collection_duration_ms: Host time spent observing this sample (hooks, reductions launched,
+            transfer), so the cost of telemetry is visible.
+        rows: The scalars, in the order they were measured.
+        histograms: Histograms of the focus modules.
+    """
+
+    run_id: str
+    rank: int
+    sample_id: int
+    step: int | None
+    timestamp: float
+    forward_only: bool
+    collection_duration_ms: float
+    rows: tuple[StatRow, ...]
+    histograms: tuple[HistogramRecord, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerInfo:
+    """One selected module, as the run's catalog lists it."""
+
+    name: str
+    type_name: str
+    parameter_count: int
+    histogram: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """What a sink learns when the run opens: identity, rank and the module catalog.
+
+    ``rank_policy`` is ``"rank0"`` (one process writes) or ``"all"`` (every rank writes its own
+    files).
+    """
+
+    run_id: str
+    rank: int
+    world_size: int
+    rank_policy: str
+    model_class: str
+    sampling_policy: str
+    layers: tuple[LayerInfo, ...]
+    metrics: tuple[str, ...]

@@ -1,0 +1,177 @@
+"""One sample: the measurements of a root forward and of the backward through its graph.
+
+A sample gathers device-side measurements while the forward and the backward run, then closes: its
+device tensors start crossing to the host in one transfer, and once they have landed ``build``
+turns them into a ``SampleRecord`` of rows and histograms.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torchinstruments_core._records import (
+    HistogramRecord,
+    SampleRecord,
+    Signal,
+    StatRow,
+    UnavailableReason,
+)
+from torchinstruments_core._transfer import HostTransfer
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    import torch
+    from torch.utils.hooks import RemovableHandle
+
+    from torchinstruments_core._measure import Measurement
+
+
+@dataclass(frozen=True, slots=True)
+class Site:
+    """Where a tensor was observed: module, call, signal and position in the output."""
+
+    layer: str
+    call_index: int
+    signal: Signal
+    tensor_path: str
+
+
+class Sample:
+    """The open state of one sample. Thread-safe: gradients may arrive on autograd threads."""
+
+    def __init__(self, sample_id: int, step: int | None, timestamp: float) -> None:
+        self.sample_id = sample_id
+        self.step = step
+        self.timestamp = timestamp
+        self.lock = threading.Lock()
+        self.closed = False
+        self.backward_task: int | None = None
+        self.duration_s = 0.0
+        self._calls: dict[str, int] = {}
+        self._measured: list[tuple[Site, Measurement]] = []
+        self._expected_gradients: list[tuple[Site, tuple[str, ...]]] = []
+        self._received: set[Site] = set()
+        self.handles: list[RemovableHandle] = []
+        # Held while the forward runs; afterwards only the gradient hooks hold it (see Observer).
+        self.sentinel: object | None = None
+
+    def next_call_index(self, layer: str) -> int:
+        """The call index of the next call of ``layer`` within this sample."""
+        index = self._calls.get(layer, 0)
+        self._calls[layer] = index + 1
+        return index
+
+    def add(self, site: Site, measurement: Measurement) -> None:
+        """Keep a measurement until the sample closes."""
+        with self.lock:
+            self._measured.append((site, measurement))
+            if site.signal is Signal.OUTPUT_GRADIENT:
+                self._received.add(site)
+
+    def expect_gradient(self, site: Site, metrics: tuple[str, ...]) -> None:
+        """Note that a gradient hook waits on ``site``; if none arrives, its rows say so."""
+        self._expected_gradients.append((site, metrics))
+
+    @property
+    def expects_gradients(self) -> bool:
+        """Whether a gradient hook waits on some output of this sample."""
+        return bool(self._expected_gradients)
+
+    @property
+    def forward_only(self) -> bool:
+        """Whether no backward reached this sample."""
+        return self.backward_task is None
+
+    def start_transfer(self) -> HostTransfer:
+        """Start moving every device value of this sample to the host."""
+        return HostTransfer(list(self._device_tensors()))
+
+    def _device_tensors(self) -> Iterator[torch.Tensor]:
+        for _, measurement in self._measured:
+            if measurement.n_finite is not None:
+                yield measurement.n_finite.reshape(1)
+            for result in measurement.results:
+                if result.values is not None:
+                    yield result.values
+            if measurement.histogram is not None:
+                yield measurement.histogram
+
+    def build(self, transfer: HostTransfer, *, run_id: str, rank: int) -> SampleRecord:
+        """Turn the landed values into the sample's record."""
+        host = iter(transfer.wait())
+        rows: list[StatRow] = []
+        histograms: list[HistogramRecord] = []
+        for site, measurement in self._measured:
+            rows.extend(_rows(site, measurement, host))
+            if measurement.histogram is not None:
+                histogram = _histogram(site, next(host), measurement.histogram_bins)
+                if histogram is not None:
+                    histograms.append(histogram)
+        if not self.forward_only:
+            rows.extend(self._missing_gradient_rows())
+        return SampleRecord(
+            run_id=run_id,
+            rank=rank,
+            sample_id=self.sample_id,
+            step=self.step,
+            timestamp=self.timestamp,
+            forward_only=self.forward_only,
+            collection_duration_ms=self.duration_s * 1000.0,
+            rows=tuple(rows),
+            histograms=tuple(histograms),
+        )
+
+    def _missing_gradient_rows(self) -> Iterator[StatRow]:
+        for site, metrics in self._expected_gradients:
+            if site not in self._received:
+                for metric in metrics:
+                    yield _row(site, metric, None, UnavailableReason.NO_GRADIENT)
+
+
+def _row(site: Site, metric: str, value: float | None, reason: str | None) -> StatRow:
+    return StatRow(
+        site.layer, site.call_index, site.signal, site.tensor_path, metric, value, reason
+    )
+
+
+def _rows(site: Site, measurement: Measurement, host: Iterator[list[float]]) -> Iterator[StatRow]:
+    if measurement.reason is not None:
+        for metric in measurement.metrics:
+            yield _row(site, metric, None, measurement.reason)
+        return
+    n_finite = next(host)[0]
+    for result in measurement.results:
+        values = next(host) if result.values is not None else None
+        for position, metric in enumerate(result.metrics):
+            if values is None:
+                yield _row(site, metric, None, result.error)
+            else:
+                yield _finite_row(site, metric, values[position], n_finite)
+
+
+def _finite_row(site: Site, metric: str, value: float, n_finite: float) -> StatRow:
+    if math.isfinite(value):
+        return _row(site, metric, value, None)
+    if n_finite == 0:
+        return _row(site, metric, None, UnavailableReason.NO_FINITE_VALUES)
+    return _row(site, metric, None, UnavailableReason.NON_FINITE_RESULT)
+
+
+def _histogram(site: Site, packed: list[float], bins: int) -> HistogramRecord | None:
+    edges = tuple(packed[: bins + 1])
+    if not all(math.isfinite(edge) for edge in edges):
+        return None  # no finite entries: nothing to bin (the rows say no_finite_values)
+    counts = tuple(packed[bins + 1 : 2 * bins + 1])
+    return HistogramRecord(
+        site.layer,
+        site.call_index,
+        site.signal,
+        site.tensor_path,
+        edges=edges,
+        counts=counts,
+        nonfinite_count=int(packed[2 * bins + 1]),
+    )

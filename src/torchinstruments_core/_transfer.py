@@ -1,0 +1,65 @@
+"""Move a sample's device scalars to the host in one transfer per device.
+
+On CUDA the copy goes into pinned memory without blocking and an event says when it has landed, so
+closing a sample never makes the training step wait for the device. Elsewhere the copy is
+synchronous (on the CPU it is free).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+
+def _host_dtype(device: torch.device) -> torch.dtype:
+    # float64 keeps float64 statistics exact; MPS has no float64.
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+class HostTransfer:
+    """The host copy of a list of small 1-D device tensors, possibly still in flight.
+
+    Args:
+        tensors: Device tensors; ``wait()`` returns their values as host floats, in this order.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._sizes = [t.numel() for t in tensors]
+        self._groups: list[tuple[list[int], torch.Tensor, torch.cuda.Event | None]] = []
+        by_device: dict[torch.device, list[int]] = {}
+        for index, tensor in enumerate(tensors):
+            by_device.setdefault(tensor.device, []).append(index)
+        for device, indices in by_device.items():
+            flat = torch.cat([tensors[i].reshape(-1).to(_host_dtype(device)) for i in indices])
+            self._groups.append((indices, *_copy_to_host(flat)))
+
+    def ready(self) -> bool:
+        """Whether every copy has landed (never blocks)."""
+        return all(event is None or event.query() for _, _, event in self._groups)  # type: ignore[no-untyped-call]
+
+    def wait(self) -> list[list[float]]:
+        """Block until the copies have landed; return each input tensor's values."""
+        out: list[list[float]] = [[] for _ in self._sizes]
+        for indices, host, event in self._groups:
+            if event is not None:
+                event.synchronize()
+            values = host.tolist()
+            offset = 0
+            for index in indices:
+                out[index] = values[offset : offset + self._sizes[index]]
+                offset += self._sizes[index]
+        return out
+
+
+def _copy_to_host(flat: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    if flat.device.type != "cuda":
+        return flat.cpu(), None
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(flat.device))
+    return host, event

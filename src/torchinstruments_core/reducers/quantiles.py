@@ -1,0 +1,51 @@
+"""``QuantileReducer``: the quartiles of a tensor, subsampled on large tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torchinstruments_core.reducers.functional import DEFAULT_QUANTILES, quantiles
+
+if TYPE_CHECKING:
+    import torch
+
+    from torchinstruments_core.reducers.base import PreparedTensor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuantileReducer:
+    """The 25th, 50th and 75th percentiles of the finite entries (numpy's linear interpolation).
+
+    Tensors larger than ``sample_size`` are subsampled with the tensor's private generator; see
+    ``functional.quantiles`` for the error bound (rank error above 0.01 with probability below
+    4.1e-6 at the default size).
+
+    Args:
+        sample_size: Largest number of entries sorted per tensor; a positive int.
+        exact: Sort every entry however large the tensor.
+
+    Raises:
+        ValueError: If ``sample_size`` is not a positive int or ``exact`` is not a bool.
+    """
+
+    sample_size: int = 65536
+    exact: bool = False
+
+    def __post_init__(self) -> None:
+        size = self.sample_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"QuantileReducer(sample_size={size!r}): sample_size must be a positive int"
+            )
+        if not isinstance(self.exact, bool):
+            raise ValueError(f"QuantileReducer(exact={self.exact!r}): exact must be True or False")
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """The metric names, in the order of the returned values."""
+        return ("p25", "p50", "p75")
+
+    def reduce(self, tensor: PreparedTensor) -> torch.Tensor:
+        """Return the three quartiles as a 1-D tensor on ``tensor.device``."""
+        return quantiles(tensor, DEFAULT_QUANTILES, sample_size=self.sample_size, exact=self.exact)

@@ -1,0 +1,72 @@
+"""``result.json``: per layer, call, signal, tensor and metric, the aggregates of a whole run.
+
+Every selected layer is listed, in execution order (layers that never ran follow in model order),
+each with its measurements; the statistics of each metric are those of ``_aggregate``. Strict
+JSON: a number that is not finite is written as null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+from torchinstruments_core.run_directory._aggregate import Key, MetricAggregate, RunAggregates
+from torchinstruments_core.run_directory._layout import atomic_write_text
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from torchinstruments_core._records import RunInfo
+
+
+def write_result(
+    path: Path, run: RunInfo, aggregates: RunAggregates | None, *, status: str
+) -> None:
+    """Write ``result.json``; without ``aggregates`` the layers have no measurements yet."""
+    document = {
+        "run_id": run.run_id,
+        "rank": run.rank,
+        "world_size": run.world_size,
+        "status": status,
+        "model_class": run.model_class,
+        "sampling_policy": run.sampling_policy,
+        "metrics": list(run.metrics),
+        "samples": aggregates.sample_summary() if aggregates else RunAggregates().sample_summary(),
+        "layers": _layers(run, aggregates.metrics if aggregates else {}),
+    }
+    atomic_write_text(path, json.dumps(_finite(document), indent=2, allow_nan=False) + "\n")
+
+
+def _layers(run: RunInfo, metrics: dict[Key, MetricAggregate]) -> list[dict[str, Any]]:
+    catalog = {layer.name: layer for layer in run.layers}
+    order = list(dict.fromkeys(key[0] for key in metrics if key[0] in catalog))
+    order += [name for name in catalog if name not in order]
+    grouped: dict[str, dict[tuple[int, str, str], dict[str, Any]]] = {name: {} for name in order}
+    for (layer, call, signal, path, metric), aggregate in metrics.items():
+        if layer in grouped:
+            grouped[layer].setdefault((call, signal, path), {})[metric] = aggregate.summary()
+    return [_layer(catalog[name], grouped[name]) for name in order]
+
+
+def _layer(info: Any, tensors: dict[tuple[int, str, str], dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "name": info.name,
+        "type": info.type_name,
+        "parameters": info.parameter_count,
+        "histogram": info.histogram,
+        "measurements": [
+            {"call_index": call, "signal": signal, "tensor_path": path, "metrics": metrics}
+            for (call, signal, path), metrics in tensors.items()
+        ],
+    }
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value

@@ -1,0 +1,99 @@
+"""The long table and the per-sample table, as polars frames with a fixed schema."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import polars as pl
+
+    from torchinstruments_core._records import SampleRecord
+
+
+def _sample_columns() -> dict[str, pl.DataType]:
+    """The columns that say which run, process and sample a row belongs to."""
+    import polars as pl
+
+    return {
+        "run_id": pl.String(),
+        "rank": pl.Int32(),
+        "sample_id": pl.Int64(),
+        "step": pl.Int64(),
+        "timestamp": pl.Datetime("us", "UTC"),
+    }
+
+
+def history_schema() -> pl.Schema:
+    """The dtype of every column of ``history.parquet``; the same in every run."""
+    import polars as pl
+
+    columns = _sample_columns() | {
+        "layer": pl.String(),
+        "call_index": pl.Int32(),
+        "signal": pl.String(),
+        "tensor_path": pl.String(),
+        "metric": pl.String(),
+        "value": pl.Float64(),
+        "unavailable_reason": pl.String(),
+    }
+    return pl.Schema(columns)
+
+
+def samples_schema() -> pl.Schema:
+    """The dtype of every column of ``samples.parquet``."""
+    import polars as pl
+
+    columns = _sample_columns() | {
+        "forward_only": pl.Boolean(),
+        "collection_duration_ms": pl.Float64(),
+        "rows": pl.Int64(),
+    }
+    return pl.Schema(columns)
+
+
+def history_frame(samples: Sequence[SampleRecord]) -> pl.DataFrame:
+    """The rows of ``samples`` as the long table."""
+    columns: dict[str, list[object]] = {name: [] for name in history_schema()}
+    for sample in samples:
+        rows = sample.rows
+        count = len(rows)
+        columns["run_id"] += [sample.run_id] * count
+        columns["rank"] += [sample.rank] * count
+        columns["sample_id"] += [sample.sample_id] * count
+        columns["step"] += [sample.step] * count
+        columns["timestamp"] += [int(sample.timestamp * 1_000_000)] * count
+        columns["layer"] += [row.layer for row in rows]
+        columns["call_index"] += [row.call_index for row in rows]
+        columns["signal"] += [row.signal.value for row in rows]
+        columns["tensor_path"] += [row.tensor_path for row in rows]
+        columns["metric"] += [row.metric for row in rows]
+        columns["value"] += [row.value for row in rows]
+        columns["unavailable_reason"] += [row.unavailable_reason for row in rows]
+    return _frame(columns, history_schema())
+
+
+def samples_frame(samples: Sequence[SampleRecord]) -> pl.DataFrame:
+    """One row per sample."""
+    columns: dict[str, list[object]] = {
+        "run_id": [s.run_id for s in samples],
+        "rank": [s.rank for s in samples],
+        "sample_id": [s.sample_id for s in samples],
+        "step": [s.step for s in samples],
+        "timestamp": [int(s.timestamp * 1_000_000) for s in samples],
+        "forward_only": [s.forward_only for s in samples],
+        "collection_duration_ms": [s.collection_duration_ms for s in samples],
+        "rows": [len(s.rows) for s in samples],
+    }
+    return _frame(columns, samples_schema())
+
+
+def _frame(columns: dict[str, list[object]], schema: pl.Schema) -> pl.DataFrame:
+    import polars as pl
+
+    raw = {name: pl.Int64() if name == "timestamp" else dtype for name, dtype in schema.items()}
+    frame = pl.DataFrame(columns, schema=raw)
+    return frame.with_columns(
+        pl.from_epoch("timestamp", time_unit="us").dt.replace_time_zone("UTC")
+    )

@@ -1,0 +1,78 @@
+"""Helpers for users' own tests: a sink that keeps every sample in memory.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from torchinstruments_core import AlwaysSampler, inject_observer
+    >>> sink = RecordingSink()
+    >>> model = nn.Linear(3, 2)
+    >>> with inject_observer(model, sampler=AlwaysSampler(), sink=sink):
+    ...     _ = model(torch.ones(1, 3))
+    >>> len(sink.samples), sink.samples[0].forward_only, sink.closed
+    (1, True, True)
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchinstruments_core._records import RunInfo, SampleRecord, StatRow
+
+
+class RecordingSink:
+    """Keeps the run's description and every sample, in delivery order."""
+
+    def __init__(self) -> None:
+        self.run: RunInfo | None = None
+        self.samples: list[SampleRecord] = []
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def open(self, run: RunInfo) -> None:
+        """Remember the run."""
+        self.run = run
+
+    def write(self, sample: SampleRecord) -> None:
+        """Keep the sample."""
+        with self._lock:
+            self.samples.append(sample)
+
+    def close(self) -> None:
+        """Mark the run closed."""
+        self.closed = True
+
+    @property
+    def rows(self) -> list[StatRow]:
+        """Every row of every sample, in order."""
+        return [row for sample in self.samples for row in sample.rows]
+
+    def value(
+        self,
+        layer: str,
+        signal: str,
+        metric: str,
+        *,
+        sample_id: int | None = None,
+        call_index: int = 0,
+        tensor_path: str = "output",
+    ) -> float | None:
+        """The value of one metric; from the last sample unless ``sample_id`` is given.
+
+        Raises:
+            KeyError: No such row.
+        """
+        samples = (
+            self.samples
+            if sample_id is None
+            else [s for s in self.samples if s.sample_id == sample_id]
+        )
+        for sample in reversed(samples):
+            for row in sample.rows:
+                if (row.layer, row.signal, row.metric) == (layer, signal, metric) and (
+                    row.call_index,
+                    row.tensor_path,
+                ) == (call_index, tensor_path):
+                    return row.value
+        raise KeyError((layer, signal, metric, sample_id, call_index, tensor_path))

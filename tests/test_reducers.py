@@ -1,0 +1,335 @@
+"""The on-device reductions, checked against independent float64 numpy references."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+import torch
+
+import torchinstruments_core.reducers as reducers_module
+from torchinstruments_core.reducers import (
+    HistogramReducer,
+    MomentsReducer,
+    PreparedTensor,
+    QuantileReducer,
+    Reducer,
+    default_reducers,
+)
+from torchinstruments_core.reducers.functional import (
+    MOMENT_METRICS,
+    count_sorted,
+    histogram,
+    moments,
+    quantiles,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+CASES = ["normal", "zeros", "nonfinite", "all_nan", "single", "constant"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+LEVELS = (0.25, 0.5, 0.75)
+
+
+def _make(case: str, dtype: torch.dtype, numel: int = 10_007) -> torch.Tensor:
+    """A test tensor of one of the named shapes of data."""
+    generator = torch.Generator().manual_seed(1234)
+    if case == "zeros":
+        return torch.zeros(numel, dtype=dtype)
+    if case == "all_nan":
+        return torch.full((numel,), math.nan, dtype=dtype)
+    if case == "single":
+        return torch.tensor([2.5], dtype=dtype)
+    if case == "constant":
+        return torch.full((numel,), -3.0, dtype=dtype)
+    values = torch.randn(numel, generator=generator, dtype=torch.float64) * 3 + 1
+    if case == "nonfinite":
+        values[::13] = math.nan
+        values[1::17] = math.inf
+        values[2::19] = -math.inf
+        values[3::23] = 0.0
+    return values.to(dtype).reshape(-1, 1)
+
+
+def _prepare(tensor: torch.Tensor, seed: int = 0) -> PreparedTensor:
+    return PreparedTensor(tensor, torch.Generator(tensor.device).manual_seed(seed))
+
+
+def _as_float64(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().to(torch.float64).reshape(-1).cpu().numpy()
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Relative and absolute tolerance: float64 is computed in float64, the rest in float32."""
+    return 1e-12 if dtype == torch.float64 else 2e-5
+
+
+def _reference_moments(array: np.ndarray) -> list[float]:
+    finite = array[np.isfinite(array)]
+    fractions = [float(np.mean(array == 0)), float(np.mean(~np.isfinite(array)))]
+    if finite.size == 0:
+        return [math.nan] * 4 + fractions + [math.nan] * 2
+    rms = float(np.sqrt(np.mean(finite**2)))
+    stats = [finite.mean(), finite.std(), finite.min(), finite.max()]
+    return [float(value) for value in stats] + [*fractions, rms, float(np.abs(finite).max())]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_moments_match_numpy(case: str, dtype: torch.dtype) -> None:
+    """Every moment equals the float64 numpy value, NaN where undefined, in the working dtype."""
+    tensor = _make(case, dtype)
+    result = moments(_prepare(tensor))
+    expected_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert result.dtype == expected_dtype
+    assert result.shape == (len(MOMENT_METRICS),)
+    expected = _reference_moments(_as_float64(tensor))
+    tolerance = _tolerance(dtype)
+    np.testing.assert_allclose(result.numpy(), expected, tolerance, tolerance, equal_nan=True)
+
+
+def test_all_nan_moments_are_nan_but_fractions_are_real() -> None:
+    """Without finite values the statistics are NaN while both fractions are still numbers."""
+    values = moments(_prepare(_make("all_nan", torch.float32))).tolist()
+    result = dict(zip(MOMENT_METRICS, values, strict=True))
+    assert result["zero_fraction"] == 0.0
+    assert result["nonfinite_fraction"] == 1.0
+    for name in ("mean", "std", "min", "max", "rms", "max_abs"):
+        assert math.isnan(result[name]), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_quantiles_match_numpy(case: str, dtype: torch.dtype) -> None:
+    """Quantiles of the finite entries equal numpy's linear ones; NaN when there are none."""
+    tensor = _make(case, dtype)
+    result = quantiles(_prepare(tensor), LEVELS)
+    array = _as_float64(tensor)
+    finite = array[np.isfinite(array)]
+    expected = np.quantile(finite, LEVELS) if finite.size else [math.nan] * len(LEVELS)
+    tolerance = _tolerance(dtype)
+    np.testing.assert_allclose(result.numpy(), expected, tolerance, tolerance, equal_nan=True)
+
+
+@pytest.mark.parametrize("numel", [1, 2, 3, 10, 1001, 100_000])
+def test_exact_quantiles_equal_numpy_bit_for_bit(numel: int) -> None:
+    """In exact mode, float64 quantiles are bit-identical to numpy's default method."""
+    generator = torch.Generator().manual_seed(numel)
+    tensor = torch.randn(numel, generator=generator, dtype=torch.float64).exp()
+    levels = (0.0, 0.1, 0.25, 1 / 3, 0.5, 0.75, 0.9, 0.999, 1.0)
+    result = quantiles(_prepare(tensor), levels, sample_size=1, exact=True)
+    np.testing.assert_array_equal(result.numpy(), np.quantile(tensor.numpy(), levels))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_histogram_matches_numpy(case: str, dtype: torch.dtype) -> None:
+    """Counts equal numpy.histogram with the same edges, and sum to the finite count."""
+    tensor = _make(case, dtype)
+    bins = 16
+    edges, counts, nonfinite = HistogramReducer(bins=bins).unpack(histogram(_prepare(tensor), bins))
+    array = _as_float64(tensor)
+    finite = array[np.isfinite(array)]
+    assert nonfinite.item() == array.size - finite.size
+    assert counts.sum().item() == finite.size
+    if finite.size == 0:
+        assert edges.isnan().all()
+        assert (counts == 0).all()
+        return
+    pad = 0.5 if finite.min() == finite.max() else 0.0
+    assert (edges[0].item(), edges[-1].item()) == (finite.min() - pad, finite.max() + pad)
+    expected, _ = np.histogram(finite, bins=_as_float64(edges))
+    np.testing.assert_array_equal(counts.numpy(), expected)
+
+
+def test_values_on_bin_edges_land_where_numpy_puts_them() -> None:
+    """Entries equal to an edge go to the bin that edge opens, and the max to the last bin."""
+    generator = torch.Generator().manual_seed(3)
+    data = torch.rand(1000, generator=generator) * 0.63 + 0.1
+    edges = HistogramReducer(bins=64).unpack(histogram(_prepare(data), 64))[0]
+    # the edges lie within [min, max], so adding them leaves the edges unchanged
+    on_edges = torch.cat([data, edges, edges])
+    packed = histogram(_prepare(on_edges), 64)
+    same_edges, counts, _ = HistogramReducer(bins=64).unpack(packed)
+    assert torch.equal(same_edges, edges)
+    expected, _ = np.histogram(_as_float64(on_edges), bins=_as_float64(edges))
+    np.testing.assert_array_equal(counts.numpy(), expected)
+
+
+@pytest.mark.parametrize("n_buckets", [1, 5, 66])
+def test_sort_based_counting_matches_index_add(n_buckets: int) -> None:
+    """The deterministic-mode counter gives the same counts as bincount, empty buckets included."""
+    generator = torch.Generator().manual_seed(n_buckets)
+    index = torch.randint(0, max(n_buckets - 1, 1), (5000,), generator=generator, dtype=torch.int32)
+    expected = torch.bincount(index.long(), minlength=n_buckets)
+    result = count_sorted(index, n_buckets)
+    assert result.dtype == torch.int64
+    assert torch.equal(result, expected)
+
+
+def test_large_mean_std_is_accurate() -> None:
+    """The std of 1000 + N(0, 1) in float32 has a relative error below 1e-3 against float64."""
+    generator = torch.Generator().manual_seed(7)
+    tensor = (1000 + torch.randn(1_000_003, generator=generator, dtype=torch.float64)).float()
+    reference = _as_float64(tensor).std()
+    for chunk_size in (4096, 2**22):
+        std = moments(_prepare(tensor), chunk_size=chunk_size)[1].item()
+        assert abs(std - reference) / reference < 1e-3
+
+
+@pytest.mark.parametrize("chunk_size", [64, 1000, 4096])
+def test_chunked_results_match_unchunked(chunk_size: int) -> None:
+    """Combining chunks, empty ones included, gives the one-chunk moments and histogram."""
+    tensor = _make("nonfinite", torch.float64)
+    tensor[:1000] = math.nan
+    prepared = _prepare(tensor)
+    whole = moments(prepared, chunk_size=tensor.numel())
+    chunked = moments(prepared, chunk_size=chunk_size)
+    np.testing.assert_allclose(chunked.numpy(), whole.numpy(), rtol=1e-12, atol=1e-12)
+    assert torch.equal(
+        histogram(prepared, 32, chunk_size=chunk_size),
+        histogram(prepared, 32, chunk_size=tensor.numel()),
+    )
+
+
+@pytest.mark.slow
+def test_tensor_past_torch_quantile_limit() -> None:
+    """Past 2**24 elements: moments are exact, counts exact, quantiles within the DKW rank bound.
+
+    With 65536 samples, each subsampled quartile lies within 0.01 in rank of the truth with
+    probability above 1 - 4.1e-6.
+    """
+    numel = 20_000_000
+    generator = torch.Generator().manual_seed(2024)
+    tensor = torch.randn(numel, generator=generator)
+    tensor[::100_003] = math.nan
+    prepared = _prepare(tensor)
+    array = _as_float64(tensor)
+    finite = array[np.isfinite(array)]
+    expected = _reference_moments(array)
+    np.testing.assert_allclose(moments(prepared).numpy(), expected, rtol=1e-5, atol=1e-5)
+    bounds = np.quantile(finite, [q + d for q in LEVELS for d in (-0.01, 0.01)]).reshape(-1, 2)
+    for value, (low, high) in zip(quantiles(prepared).tolist(), bounds, strict=True):
+        assert low <= value <= high
+    exact = quantiles(prepared, exact=True).numpy()
+    np.testing.assert_allclose(exact, np.quantile(finite, LEVELS), rtol=1e-6, atol=1e-7)
+    counts = HistogramReducer().unpack(histogram(prepared))[1]
+    assert counts.double().sum().item() == finite.size
+
+
+def test_subsampling_uses_only_the_private_generator() -> None:
+    """Subsampled quantiles leave the global RNG untouched and repeat for the same seed."""
+    tensor = _make("normal", torch.float32, numel=200_000)
+    state = torch.get_rng_state()
+    first = quantiles(_prepare(tensor, seed=5), sample_size=1000)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(quantiles(_prepare(tensor, seed=5), sample_size=1000), first)
+
+
+def test_subsample_without_finite_values_is_nan() -> None:
+    """A subsample that holds no finite value gives NaN quantiles."""
+    tensor = _make("all_nan", torch.float32, numel=5000)
+    assert quantiles(_prepare(tensor), sample_size=100).isnan().all()
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (lambda: QuantileReducer(sample_size=0), r"sample_size=0\).*positive int"),
+        (lambda: QuantileReducer(sample_size=-5), r"sample_size=-5\)"),
+        (lambda: QuantileReducer(sample_size=2.5), r"sample_size=2.5\)"),  # type: ignore[arg-type]
+        (lambda: QuantileReducer(sample_size=True), r"sample_size=True\)"),
+        (lambda: QuantileReducer(exact="yes"), r"exact='yes'\).*True or False"),  # type: ignore[arg-type]
+        (lambda: HistogramReducer(bins=0), r"bins=0\).*positive int"),
+        (lambda: HistogramReducer(bins=1.5), r"bins=1.5\)"),  # type: ignore[arg-type]
+    ],
+)
+def test_constructors_reject_bad_configuration(factory: Callable[[], object], message: str) -> None:
+    """Bad configuration fails in the constructor, naming the argument, value and valid choices."""
+    with pytest.raises(ValueError, match=message):
+        factory()
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda p: quantiles(p, (0.5, 1.5)), "qs must be"),
+        (lambda p: quantiles(p, ()), "qs must be"),
+        (lambda p: quantiles(p, sample_size=0), "sample_size must be"),
+        (lambda p: histogram(p, 0), "bins must be"),
+        (lambda p: moments(p, chunk_size=0), "chunk_size must be"),
+    ],
+)
+def test_functions_reject_bad_arguments(
+    call: Callable[[PreparedTensor], object], message: str
+) -> None:
+    """The functional layer rejects arguments it cannot honour instead of returning garbage."""
+    with pytest.raises(ValueError, match=message):
+        call(_prepare(_make("normal", torch.float32)))
+
+
+def test_reducers_follow_the_protocol() -> None:
+    """Each reducer returns one detached value per metric, and its repr shows its configuration."""
+    tensor = _make("normal", torch.float32).requires_grad_()
+    for reducer in (*default_reducers(), QuantileReducer(sample_size=10, exact=True)):
+        assert isinstance(reducer, Reducer)
+        result = reducer.reduce(_prepare(tensor))
+        assert result.shape == (len(reducer.metrics),)
+        assert result.grad_fn is None
+    assert repr(QuantileReducer(sample_size=10)) == "QuantileReducer(sample_size=10, exact=False)"
+    assert repr(HistogramReducer(bins=8)) == "HistogramReducer(bins=8)"
+    assert repr(MomentsReducer()) == "MomentsReducer()"
+
+
+def test_default_reducers_give_the_eleven_metrics() -> None:
+    """The default reducers produce exactly the eleven documented metric names."""
+    names = [name for reducer in default_reducers() for name in reducer.metrics]
+    documented = ["mean", "std", "min", "max", "p25", "p50", "p75"]
+    documented += ["zero_fraction", "nonfinite_fraction", "rms", "max_abs"]
+    assert sorted(names) == sorted(documented)
+
+
+def test_histogram_reducer_packs_and_unpacks() -> None:
+    """The histogram reducer has no scalar metrics and its packed output unpacks into its parts."""
+    reducer = HistogramReducer(bins=8)
+    assert isinstance(reducer, Reducer)
+    assert reducer.metrics == ()
+    packed = reducer.reduce(_prepare(_make("nonfinite", torch.float32)))
+    assert packed.shape == (2 * 8 + 2,)
+    edges, counts, nonfinite = reducer.unpack(packed)
+    assert (edges.shape, counts.shape, nonfinite.shape) == ((9,), (8,), ())
+
+
+def test_exported_names() -> None:
+    """The package exports exactly the supported names, in a sorted ``__all__``."""
+    expected = [
+        "HistogramReducer",
+        "MomentsReducer",
+        "PreparedTensor",
+        "QuantileReducer",
+        "Reducer",
+        "default_reducers",
+        "working_dtype",
+    ]
+    assert reducers_module.__all__ == expected
+    assert all(hasattr(reducers_module, name) for name in expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu_in_deterministic_mode() -> None:
+    """On CUDA, with deterministic algorithms on, all reductions run and agree with the CPU."""
+    tensor = _make("nonfinite", torch.float32, numel=300_001)
+    cpu = _prepare(tensor)
+    torch.use_deterministic_algorithms(True)
+    try:
+        cuda = _prepare(tensor.cuda())
+        packed = histogram(cuda, 32)
+        results = (moments(cuda), quantiles(cuda, exact=True))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(packed.cpu(), histogram(cpu, 32))
+    np.testing.assert_allclose(results[0].cpu().numpy(), moments(cpu).numpy(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(results[1].cpu(), quantiles(cpu, exact=True))

@@ -1,0 +1,61 @@
+"""The step-driven control that trainer adapters use instead of a sampler."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers import CountingReducer, mlp
+from torchinstruments_core import AlwaysSampler, inject_observer
+from torchinstruments_core.testing import RecordingSink
+
+
+def test_announced_steps_are_sampled_with_their_step_and_micro_batches() -> None:
+    """Every root forward of a step announced for sampling is a sample carrying that step."""
+    model = mlp()
+    sink = RecordingSink()
+    reducer = CountingReducer()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, reducers=[reducer]) as observer:
+        for step in range(4):
+            observer.begin_step(step, sample=step % 2 == 0)
+            for _ in range(3):  # gradient accumulation: three micro-batches per step
+                model(torch.randn(2, 4)).sum().backward()
+            observer.end_step()
+        model(torch.randn(2, 4))  # after end_step, outside any step: not sampled
+    assert [(s.sample_id, s.step) for s in sink.samples] == [
+        (0, 0),
+        (1, 0),
+        (2, 0),
+        (3, 2),
+        (4, 2),
+        (5, 2),
+    ]
+    assert reducer.calls == 6 * 3 * 2
+
+
+def test_end_step_closes_the_samples_of_that_step() -> None:
+    """Samples still waiting for a backward are delivered when their step ends."""
+    model = mlp()
+    sink = RecordingSink()
+    with inject_observer(model, sink=sink) as observer:
+        observer.begin_step(7, sample=True)
+        kept = model(torch.randn(2, 4))  # the graph stays alive, no backward
+        assert sink.samples == []
+        observer.end_step()
+        assert [(s.step, s.forward_only) for s in sink.samples] == [(7, True)]
+        assert kept.requires_grad
+    assert sink.run is not None
+    assert sink.run.sampling_policy == "step-driven by the trainer adapter"
+
+
+def test_flush_delivers_open_samples() -> None:
+    """flush() closes samples whose graph is still alive and hands them to the sink."""
+    model = mlp()
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink) as observer:
+        out = model(torch.randn(2, 4))
+        assert sink.samples == []
+        observer.flush()
+        assert len(sink.samples) == 1
+        out.sum().backward()  # the closed sample takes no late gradient
+    assert len(sink.samples) == 1
+    assert sink.samples[0].forward_only

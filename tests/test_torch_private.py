@@ -1,0 +1,59 @@
+"""Pins the behaviour of the private autograd calls in ``_torch_private``.
+
+If a torch release changes them, these tests fail before gradients are silently mis-correlated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint as checkpoint
+
+from torchinstruments_core._torch_private import current_graph_task_id, in_backward, queue_callback
+
+
+def test_graph_task_id_is_minus_one_outside_and_stable_within_a_backward() -> None:
+    """Outside a backward the id is -1; every hook of one backward sees one id; the next differs."""
+    seen: list[int] = []
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    z = y * 3
+    y.register_hook(lambda g: seen.append(current_graph_task_id()))
+    z.register_hook(lambda g: seen.append(current_graph_task_id()))
+    assert current_graph_task_id() == -1
+    assert not in_backward()
+    z.sum().backward(retain_graph=True)
+    z.sum().backward()
+    assert len(seen) == 4
+    assert seen[0] == seen[1] != -1
+    assert seen[2] == seen[3] != seen[0]
+
+
+def test_queued_callback_runs_once_after_every_hook_of_the_backward() -> None:
+    """A callback queued from a tensor hook runs after the last hook of that backward."""
+    events: list[str] = []
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    z = y * 3
+
+    def first(_: torch.Tensor) -> None:
+        events.append("z")
+        queue_callback(lambda: events.append("done"))
+
+    z.register_hook(first)
+    y.register_hook(lambda _: events.append("y"))
+    torch.autograd.grad(z.sum(), [x])
+    assert events == ["z", "y", "done"]
+
+
+def test_checkpoint_recomputation_runs_inside_the_backward() -> None:
+    """The recomputation of activation checkpointing happens in a backward (both variants)."""
+    for reentrant in (False, True):
+        inside: list[bool] = []
+
+        def block(t: torch.Tensor, seen: list[bool] = inside) -> torch.Tensor:
+            seen.append(in_backward())
+            return t.sin()
+
+        x = torch.ones(3, requires_grad=True)
+        checkpoint.checkpoint(block, x, use_reentrant=reentrant).sum().backward()
+        assert inside == [False, True]
