@@ -271,3 +271,54 @@ def test_unwritable_chunk_folder_under_raise_stops(tmp_path: pathlib.Path) -> No
     with pytest.raises(ObservationError):
         observer.remove()
     assert not observer.attached
+
+
+def test_tensorboard_uses_the_trainer_step_when_there_is_one(tmp_path: pathlib.Path) -> None:
+    """Under step-driven sampling, histograms and rows carry the trainer step, not the sample id."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = Net()
+    with inject_observer(model, output_dir=tmp_path / "run") as observer:
+        for step in range(0, 50, 10):
+            observer.begin_step(step, sample=step % 20 == 0)
+            _train(model, 1)
+            observer.end_step()
+    events = EventAccumulator(
+        str(tmp_path / "run" / "tensorboard"), size_guidance={"histograms": 0}
+    )
+    events.Reload()
+    assert [e.step for e in events.Histograms("histogram/first/output")] == [0, 20, 40]
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    assert sorted(history["step"].unique()) == [0, 20, 40]
+
+
+def test_the_training_thread_waits_only_when_the_queue_is_full(tmp_path: pathlib.Path) -> None:
+    """With the writer stalled, put() returns at once until queue_size samples wait, then blocks."""
+    import threading
+
+    from torchinstruments_core import SampleRecord
+    from torchinstruments_core.run_directory._layout import layout_for
+    from torchinstruments_core.run_directory._writer import ChunkWriter
+
+    release = threading.Event()
+    writer = ChunkWriter(
+        layout_for(tmp_path / "run", rank=0, per_rank=False),
+        chunk_rows=1,
+        flush_seconds=30.0,
+        queue_size=2,
+        on_sample=[lambda _sample: release.wait(timeout=30)],
+    )
+    writer.start()
+    sample = SampleRecord("r", 0, 0, None, 0.0, True, 1.0, (), ())
+    started = time.monotonic()
+    for _ in range(3):  # one taken by the stalled writer, two waiting in the queue
+        writer.put(sample)
+    assert time.monotonic() - started < 1.0
+    blocked = threading.Thread(target=writer.put, args=(sample,))
+    blocked.start()
+    blocked.join(timeout=0.5)
+    assert blocked.is_alive(), "put() should wait while the queue is full"
+    release.set()
+    blocked.join(timeout=10)
+    assert not blocked.is_alive()
+    assert writer.finish().samples_written == 4
