@@ -15,11 +15,11 @@ import json
 import time
 from pathlib import Path
 
-import polars as pl
 import torch
 from torch import nn
 
 from torchinstruments_core import EveryNForwardsSampler, inject_observer
+from torchinstruments_core.run_directory import summarize_run
 
 
 def main() -> None:
@@ -61,41 +61,7 @@ def report(output_dir: Path) -> None:
     for name in ("history.parquet", "result.json", "index.md", "tensorboard/"):
         print(f"  {output_dir / name}")
     print(f"TensorBoard: tensorboard --logdir {output_dir / 'tensorboard'}\n")
-    header = ("output std", "max_abs/rms", "grad rms", "non-finite")
-    print(f"{'layer':<8}{'type':<11}" + "".join(f"{h:>13}" for h in header))
-    for layer in result["layers"]:
-        metrics = {m["signal"]: m["metrics"] for m in layer["measurements"] if m["call_index"] == 0}
-        out, grad = metrics.get("output", {}), metrics.get("output_gradient", {})
-        mean = {name: stats.get("mean") for name, stats in out.items()}
-        cells = (
-            mean.get("std"),
-            _ratio(mean.get("max_abs"), mean.get("rms")),
-            grad.get("rms", {}).get("mean"),
-            out.get("nonfinite_fraction", {}).get("max"),
-        )
-        print(f"{layer['name']:<8}{layer['type']:<11}" + "".join(_fmt(c) for c in cells))
-    first = (
-        pl.scan_parquet(output_dir / "history.parquet")
-        .filter((pl.col("metric") == "nonfinite_fraction") & (pl.col("value") > 0))
-        .sort("sample_id")
-        .select("sample_id", "layer", "signal", "value")
-        .head(1)
-        .collect()
-    )
-    if first.height:
-        row = first.row(0, named=True)
-        where = f"sample {row['sample_id']}, layer {row['layer']!r}, {row['signal']}"
-        print(f"\nfirst non-finite values: {where}")
-    else:
-        print("\nno non-finite values in any sampled output or gradient")
-
-
-def _fmt(value: float | None) -> str:
-    return f"{value:>13.4g}" if value is not None else f"{'-':>13}"
-
-
-def _ratio(max_abs: float | None, rms: float | None) -> float | None:
-    return max_abs / rms if max_abs is not None and rms else None
+    print(summarize_run(output_dir))
 
 
 if __name__ == "__main__":

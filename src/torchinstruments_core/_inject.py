@@ -50,6 +50,7 @@ def inject_observer(
     error_policy: str = "warn",
     capture_direct_forwards: bool = False,
     run_id: str | None = None,
+    first_sample_id: int = 0,
 ) -> Observer:
     """Observe ``model``: sampled statistics of its modules' outputs and output gradients.
 
@@ -81,6 +82,8 @@ def inject_observer(
             Python call per observed module on every forward.
         run_id: Identifier written with every row; pass the same one on every rank to group a
             distributed run (default: generated from the time and a random suffix, per process).
+        first_sample_id: The first sample's id; a resumed run passes the number of samples it
+            had taken, so that ids continue.
 
     Returns:
         The attached ``Observer``; also a context manager that removes itself.
@@ -116,6 +119,7 @@ def inject_observer(
         error_policy=parse_choice(ErrorPolicy, "error_policy", error_policy),
         capture_direct_forwards=bool(capture_direct_forwards),
         run_id=run_id or _new_run_id(),
+        first_sample_id=check_positive_int("first_sample_id", first_sample_id, minimum=0),
     )
     observer = Observer(model, config)
     claim(model, observer)

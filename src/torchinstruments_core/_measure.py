@@ -13,7 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchinstruments_core._records import UnavailableReason
-from torchinstruments_core.reducers import HistogramReducer, PreparedTensor, Reducer
+from torchinstruments_core.reducers import (
+    HistogramReducer,
+    PreparedTensor,
+    Reducer,
+    working_dtype,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -88,12 +93,19 @@ class Measurer:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def measure(self, tensor: torch.Tensor, *, with_histogram: bool) -> Measurement:
-        """Reduce ``tensor`` with every reducer (and the histogram when asked)."""
+    def measure(
+        self, tensor: torch.Tensor, *, with_histogram: bool, scale: float | None = None
+    ) -> Measurement:
+        """Reduce ``tensor`` (divided by ``scale`` when given) with every reducer.
+
+        The histogram is computed too when ``with_histogram`` is set.
+        """
         reason = classify(tensor)
         if reason is not None:
             return Measurement(reason=reason, metrics=self.metrics)
         with torch.no_grad(), _autocast_off(tensor.device):
+            if scale is not None:  # in the working dtype: fp16 would underflow
+                tensor = tensor.detach().to(working_dtype(tensor.dtype)) / scale
             prepared = PreparedTensor(tensor, self._generator(tensor.device))
             measurement = Measurement(None, self.metrics, n_finite=prepared.n_finite)
             for reducer in self.reducers:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
+import math
 import threading
 import time
 import warnings
@@ -22,7 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 from torchinstruments_core._capture import Attachment, GradientSlot, gradient_signal_site
 from torchinstruments_core._config import ErrorPolicy, RankPolicy
-from torchinstruments_core._exceptions import ObservationError, ObservationWarning
+from torchinstruments_core._exceptions import (
+    ConfigurationError,
+    ObservationError,
+    ObservationWarning,
+)
 from torchinstruments_core._nested import iter_tensors
 from torchinstruments_core._rank import RankInfo, current_rank
 from torchinstruments_core._records import RunInfo, Signal
@@ -69,6 +74,7 @@ class ObserverConfig:
     error_policy: ErrorPolicy
     capture_direct_forwards: bool
     run_id: str
+    first_sample_id: int = 0
 
 
 class Observer:
@@ -90,9 +96,11 @@ class Observer:
         self._removed = False
         self._depth = 0
         self._forward_index = 0
-        self._next_sample_id = 0
+        self._next_sample_id = config.first_sample_id
         self._active: Sample | None = None
         self._plan: _StepPlan | None = None
+        self._explicit = False
+        self._gradient_scale: float | None = None
         self._pending: dict[int, Sample] = {}
         self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
         self._in_flight: collections.deque[tuple[Sample, HostTransfer]] = collections.deque()
@@ -132,7 +140,7 @@ class Observer:
 
     @property
     def samples_taken(self) -> int:
-        """Number of samples opened so far; the next sample gets this ``sample_id``."""
+        """The ``sample_id`` of the next sample (samples taken so far plus ``first_sample_id``)."""
         return self._next_sample_id
 
     def begin_step(self, step: int, *, sample: bool) -> None:
@@ -144,8 +152,52 @@ class Observer:
         """
         self._plan = _StepPlan(step=step, sample=sample)
 
+    def open_sample(self, step: int | None = None) -> bool:
+        """Start a sample now, without waiting for a root forward.
+
+        For trainers whose step is not a call of the observed module (a LightningModule's
+        ``training_step`` calls its submodules): every selected module called until
+        ``finish_forward`` belongs to this sample, and the gradients flowing back into their
+        outputs are matched to it as usual.
+
+        Returns:
+            Whether a sample was opened (``False`` on a rank that does not observe, or after
+            removal).
+        """
+        if self._active is not None:
+            self.finish_forward()
+        self._resolve_rank()
+        if self._removed or not self._enabled:
+            return False
+        self._explicit = True
+        self._start(step)
+        return True
+
+    def finish_forward(self) -> None:
+        """End the forward part of the sample opened with ``open_sample``.
+
+        It then waits for its backward, or closes at once when no output can receive a gradient.
+        """
+        explicit, self._explicit = self._explicit, False
+        if explicit:
+            self._end_forward(failed=False)
+
+    def set_gradient_scale(self, scale: float | None) -> None:
+        """Report gradients divided by ``scale`` in the samples opened from now on.
+
+        Under fp16 mixed precision the loss is multiplied by a loss scale before the backward,
+        so every gradient is too; an adapter passes the scaler's current scale so that the
+        recorded gradients are the unscaled ones. ``None`` (the default) records them as they are.
+        """
+        if scale is not None and not (math.isfinite(scale) and scale > 0):
+            raise ConfigurationError.invalid("scale", scale, "a finite number > 0, or None")
+        self._gradient_scale = scale
+
     def end_step(self) -> None:
-        """Announce that the current step has ended: its samples close and go to the sink."""
+        """Announce that the current step has ended: its samples close and go to the sink.
+
+        Until the next ``begin_step`` no root forward is sampled.
+        """
         plan, self._plan = self._plan, _IDLE
         if plan is None or plan.step is None:
             return
@@ -166,6 +218,8 @@ class Observer:
                 return
             self._removed = True
         self._attachment.detach()
+        self._explicit = False
+        self._end_forward(failed=True)  # a forward cut short (an exception) keeps what it measured
         try:
             if self._enabled:
                 self.flush()
@@ -218,49 +272,52 @@ class Observer:
 
     def _on_root_enter(self) -> None:
         self._depth += 1
-        if self._depth > 1 or self._removed or in_backward():
-            return  # a nested call of the root, or activation checkpointing recomputing it
-        started = time.perf_counter()
-        self._drain(wait=False)
+        if self._depth > 1 or self._active is not None or self._removed or in_backward():
+            return  # nested in a sample, or activation checkpointing recomputing the root
         index = self._forward_index
         self._forward_index += 1
-        sample = self._open(index)
-        if sample is not None:
-            self._active = sample
-            self._attachment.arm()
-            sample.duration_s += time.perf_counter() - started
+        if self._decide(index):
+            self._start(self._plan.step if self._plan is not None else None)
 
-    def _open(self, forward_index: int) -> Sample | None:
+    def _decide(self, forward_index: int) -> bool:
         self._resolve_rank()
         if not self._enabled:
-            return None
-        plan = self._plan
-        if plan is None:
-            if not self._config.sampler.should_sample(forward_index):
-                return None
-        elif not plan.sample:
-            return None
+            return False
+        if self._plan is None:
+            return self._config.sampler.should_sample(forward_index)
+        return self._plan.sample
+
+    def _start(self, step: int | None) -> None:
+        started = time.perf_counter()
+        self._drain(wait=False)
         self._open_sink()
-        sample = Sample(self._next_sample_id, plan.step if plan else None, time.time())
+        sample = Sample(self._next_sample_id, step, time.time(), self._gradient_scale)
         self._next_sample_id += 1
         sentinel = _Sentinel()
         sample.sentinel = sentinel
         self._finalizers[sample.sample_id] = weakref.finalize(
             sentinel, self._on_graph_released, sample
         )
-        return sample
+        self._active = sample
+        self._attachment.arm()
+        sample.duration_s += time.perf_counter() - started
 
     def _on_root_exit(self, output: Any) -> None:
         self._depth = max(self._depth - 1, 0)
-        if self._depth > 0 or self._active is None:
+        sample = self._active
+        if sample is None:
             return
-        sample, self._active = self._active, None
-        started = time.perf_counter()
-        self._attachment.disarm()
         if self._root_layer is not None and output is not None:
-            self._observe(sample, self._root_layer, output)
-        sample.duration_s += time.perf_counter() - started
-        if sample.expects_gradients and output is not None:
+            self._on_output(self._root_layer, output)
+        if self._depth == 0 and not self._explicit:
+            self._end_forward(failed=output is None)
+
+    def _end_forward(self, *, failed: bool) -> None:
+        sample, self._active = self._active, None
+        if sample is None:
+            return
+        self._attachment.disarm()
+        if sample.expects_gradients and not failed:
             self._pending[sample.sample_id] = sample
             sample.sentinel = None  # from now on only the graph keeps it alive
         else:
@@ -304,7 +361,8 @@ class Observer:
                 queue_callback(functools.partial(self._on_backward_done, sample))
             elif sample.backward_task != task:
                 return  # only the first backward that reaches a sample is recorded
-        sample.add(slot.site, self._measure(grad, slot.site, slot.histogram))
+        measurement = self._measure(grad, slot.site, slot.histogram, sample.gradient_scale)
+        sample.add(slot.site, measurement)
         sample.duration_s += time.perf_counter() - started
 
     def _on_backward_done(self, sample: Sample) -> None:
@@ -380,8 +438,10 @@ class Observer:
 
     # -- failures -----------------------------------------------------------------------------
 
-    def _measure(self, tensor: torch.Tensor, site: Site, histogram: bool) -> Measurement:
-        measurement = self._config.measurer.measure(tensor, with_histogram=histogram)
+    def _measure(
+        self, tensor: torch.Tensor, site: Site, histogram: bool, scale: float | None = None
+    ) -> Measurement:
+        measurement = self._config.measurer.measure(tensor, with_histogram=histogram, scale=scale)
         for error in measurement.errors:
             where = f"{site.layer} call {site.call_index} {site.signal} {site.tensor_path}"
             key = f"reducer:{type(error).__name__}"

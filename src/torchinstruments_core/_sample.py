@@ -43,10 +43,13 @@ class Site:
 class Sample:
     """The open state of one sample. Thread-safe: gradients may arrive on autograd threads."""
 
-    def __init__(self, sample_id: int, step: int | None, timestamp: float) -> None:
+    def __init__(
+        self, sample_id: int, step: int | None, timestamp: float, gradient_scale: float | None
+    ) -> None:
         self.sample_id = sample_id
         self.step = step
         self.timestamp = timestamp
+        self.gradient_scale = gradient_scale
         self.lock = threading.Lock()
         self.closed = False
         self.backward_task: int | None = None

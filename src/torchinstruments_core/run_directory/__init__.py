@@ -1,7 +1,8 @@
 """The run directory: Parquet history, result.json, index.md and TensorBoard histograms."""
 
 from torchinstruments_core.run_directory._index import QUERIES, QUERY_PRELUDE
-from torchinstruments_core.run_directory._layout import RunLayout
+from torchinstruments_core.run_directory._layout import RunLayout, existing_run, next_free_folder
+from torchinstruments_core.run_directory._summary import summarize_run
 from torchinstruments_core.run_directory._tables import history_schema, samples_schema
 from torchinstruments_core.run_directory.sink import RunDirectorySink
 
@@ -10,6 +11,9 @@ __all__ = [
     "QUERY_PRELUDE",
     "RunDirectorySink",
     "RunLayout",
+    "existing_run",
     "history_schema",
+    "next_free_folder",
     "samples_schema",
+    "summarize_run",
 ]

@@ -72,6 +72,15 @@ def existing_run(folder: Path) -> Path | None:
     return next(iter(sorted(folder.glob("rank-[0-9][0-9][0-9]*"))), None)
 
 
+def next_free_folder(folder: Path) -> Path:
+    """``folder`` if it holds no run, else the first ``<folder>-resumed-<k>`` that holds none."""
+    candidate, k = folder, 1
+    while existing_run(candidate) is not None:
+        candidate = folder.with_name(f"{folder.name}-resumed-{k}")
+        k += 1
+    return candidate
+
+
 def refuse_existing(folder: Path) -> None:
     """Raise ``RunDirectoryExistsError`` when ``folder`` already holds a run."""
     found = existing_run(folder)

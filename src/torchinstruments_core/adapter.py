@@ -1,0 +1,89 @@
+"""What every trainer adapter needs, written once: validation, the sink, the folder, the schedule.
+
+An adapter maps its trainer's events to ``Observer`` calls and its loggers to routing targets;
+everything else it asks from here, so that the Lightning callback and the Accelerate tracker
+behave alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torchinstruments_core._config import (
+    ErrorPolicy,
+    RankPolicy,
+    check_positive_int,
+    parse_choice,
+)
+from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS, LoggerRouter
+from torchinstruments_core.sinks import MultiSink
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from pathlib import Path
+
+    from torchinstruments_core.routing import Target
+    from torchinstruments_core.sinks import Sink
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingOptions:
+    """What goes into the trainer's loggers (see ``LoggerRouter``)."""
+
+    prefix: str = "telemetry"
+    scalar_metrics: tuple[str, ...] = DEFAULT_SCALAR_METRICS
+    scalar_layers: str | tuple[str, ...] = "focus"
+    histograms: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class StepSchedule:
+    """Sample every ``every_n_steps``-th optimizer step: steps 0, n, 2n and so on."""
+
+    every_n_steps: int
+
+    def __post_init__(self) -> None:
+        check_positive_int("every_n_steps", self.every_n_steps, minimum=1)
+
+    def samples(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is sampled."""
+        return step % self.every_n_steps == 0
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterPolicies:
+    """The validated policies an adapter passes on to ``inject_observer``."""
+
+    rank_policy: RankPolicy = RankPolicy.RANK0
+    error_policy: ErrorPolicy = ErrorPolicy.WARN
+
+    @classmethod
+    def parse(cls, rank_policy: str, error_policy: str) -> AdapterPolicies:
+        """Validate the user's strings, naming the argument and the choices on error."""
+        return cls(
+            parse_choice(RankPolicy, "rank_policy", rank_policy),
+            parse_choice(ErrorPolicy, "error_policy", error_policy),
+        )
+
+
+def telemetry_sink(
+    *, output_dir: Path | None, targets: Sequence[Target], routing: RoutingOptions
+) -> Sink:
+    """The run directory (unless ``output_dir`` is ``None``) and the logger routing, as one sink."""
+    from torchinstruments_core.run_directory import RunDirectorySink
+
+    sinks: list[Sink] = []
+    if output_dir is not None:
+        sinks.append(RunDirectorySink(output_dir))
+    if targets:
+        sinks.append(
+            LoggerRouter(
+                targets,
+                prefix=routing.prefix,
+                scalar_metrics=routing.scalar_metrics,
+                scalar_layers=routing.scalar_layers,
+                histograms=routing.histograms,
+            )
+        )
+    return MultiSink(sinks)

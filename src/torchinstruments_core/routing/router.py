@@ -1,0 +1,121 @@
+"""``LoggerRouter``: a sink that puts each sample's key scalars and histograms into trainer loggers.
+
+Keys follow ``<prefix>/<layer>/<signal>/<metric>`` (a call other than the first adds
+``/call_<k>`` after the signal, a tensor inside a nested output its path), and the histogram of a
+focus tensor is ``<prefix>/<layer>/<signal>/histogram``. Two summaries per sample:
+``<prefix>/nonfinite_tensors`` (how many observed tensors held NaN or Inf, over all layers) and
+``<prefix>/collection_duration_ms``. The step is the trainer's step, else the sample id.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import TYPE_CHECKING
+
+from torchinstruments_core._exceptions import ConfigurationError
+from torchinstruments_core.routing.base import tensor_key
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from torchinstruments_core._records import HistogramRecord, RunInfo, SampleRecord, StatRow
+    from torchinstruments_core.routing.base import Target
+
+DEFAULT_SCALAR_METRICS = ("rms", "max_abs", "nonfinite_fraction")
+
+
+class LoggerRouter:
+    """Routes a chosen subset of each sample into targets, so a 500-layer model floods nothing.
+
+    Args:
+        targets: Where to write (see ``routing.targets``).
+        prefix: First part of every key.
+        scalar_metrics: Metrics logged as scalars.
+        scalar_layers: ``"focus"`` (default: the histogram layers, at most 8), ``"all"``, or glob
+            patterns of layer names.
+        histograms: Also log the focus layers' histograms (to targets that take them).
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[Target],
+        *,
+        prefix: str = "telemetry",
+        scalar_metrics: Sequence[str] = DEFAULT_SCALAR_METRICS,
+        scalar_layers: str | Sequence[str] = "focus",
+        histograms: bool = True,
+    ) -> None:
+        if isinstance(scalar_metrics, str):
+            raise ConfigurationError.invalid("scalar_metrics", scalar_metrics, "a list of names")
+        if isinstance(scalar_layers, str) and scalar_layers not in ("focus", "all"):
+            raise ConfigurationError.invalid(
+                "scalar_layers", scalar_layers, "'focus', 'all' or a list of glob patterns"
+            )
+        self.targets = tuple(targets)
+        self.prefix = prefix.rstrip("/")
+        self.scalar_metrics = frozenset(scalar_metrics)
+        self.scalar_layers = scalar_layers
+        self.histograms = histograms
+        self._layers: frozenset[str] = frozenset()
+
+    def open(self, run: RunInfo) -> None:
+        """Learn which layers have scalars routed."""
+        names = [layer.name for layer in run.layers]
+        if self.scalar_layers == "focus":
+            names = [layer.name for layer in run.layers if layer.histogram]
+        elif self.scalar_layers != "all":
+            patterns = list(self.scalar_layers)
+            names = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+        self._layers = frozenset(names)
+
+    def write(self, sample: SampleRecord) -> None:
+        """Write the sample's routed scalars and histograms to every target."""
+        step = sample.step if sample.step is not None else sample.sample_id
+        scalars = self._scalars(sample)
+        histograms = self._histograms(sample.histograms) if self.histograms else {}
+        errors = []
+        for target in self.targets:
+            try:
+                target.log(scalars, histograms, step)
+            except Exception as error:
+                errors.append(f"{type(target).__name__}: {type(error).__name__}: {error}")
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+    def close(self) -> None:
+        """Nothing to do: the targets belong to the trainer, which closes them."""
+
+    def scalar_keys(self, run: RunInfo) -> list[str]:
+        """The scalar keys a first call of every tensor's module produces (for documentation)."""
+        self.open(run)
+        keys = [f"{self.prefix}/nonfinite_tensors", f"{self.prefix}/collection_duration_ms"]
+        for layer in run.layers:
+            if layer.name in self._layers:
+                for signal in ("output", "output_gradient"):
+                    base = f"{self.prefix}/{tensor_key(layer.name, 0, signal, 'output')}"
+                    keys += [f"{base}/{m}" for m in run.metrics if m in self.scalar_metrics]
+        return keys
+
+    def _scalars(self, sample: SampleRecord) -> dict[str, float]:
+        scalars: dict[str, float] = {}
+        nonfinite = 0
+        for row in sample.rows:
+            if row.metric == "nonfinite_fraction" and row.value:
+                nonfinite += 1
+            routed = row.metric in self.scalar_metrics and row.layer in self._layers
+            if routed and row.value is not None:
+                scalars[f"{self.prefix}/{_key(row)}/{row.metric}"] = row.value
+        scalars[f"{self.prefix}/nonfinite_tensors"] = float(nonfinite)
+        scalars[f"{self.prefix}/collection_duration_ms"] = sample.collection_duration_ms
+        return scalars
+
+    def _histograms(self, records: Sequence[HistogramRecord]) -> dict[str, HistogramRecord]:
+        return {f"{self.prefix}/{_key(record)}/histogram": record for record in records}
+
+    def __repr__(self) -> str:
+        names = ", ".join(type(t).__name__ for t in self.targets)
+        return f"LoggerRouter([{names}], prefix={self.prefix!r})"
+
+
+def _key(item: StatRow | HistogramRecord) -> str:
+    return tensor_key(item.layer, item.call_index, item.signal, item.tensor_path)

@@ -1,0 +1,97 @@
+"""Built-in targets: a TensorBoard ``SummaryWriter``, a W&B run, a scalar logging function."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+from torchinstruments_core._exceptions import MissingDependencyError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from torchinstruments_core._records import HistogramRecord
+
+
+class SummaryWriterTarget:
+    """Scalars and raw histograms into a TensorBoard ``SummaryWriter`` at the given step.
+
+    Args:
+        writer: The trainer's writer (``TensorBoardLogger.experiment``, Accelerate's
+            ``TensorBoardTracker.writer``); it is not closed here.
+    """
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    def log(
+        self, scalars: Mapping[str, float], histograms: Mapping[str, HistogramRecord], step: int
+    ) -> None:
+        """Write each scalar and histogram at ``step``."""
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+        for key, record in histograms.items():
+            edges, counts = record.edges, record.counts
+            centers = [(lo + hi) / 2 for lo, hi in itertools.pairwise(edges)]
+            self.writer.add_histogram_raw(
+                key,
+                min=edges[0],
+                max=edges[-1],
+                num=int(sum(counts)),
+                # TensorBoard wants the sums for its summary; bin centres give them within a bin.
+                sum=sum(c * x for c, x in zip(counts, centers, strict=True)),
+                sum_squares=sum(c * x * x for c, x in zip(counts, centers, strict=True)),
+                bucket_limits=list(edges[1:]),
+                bucket_counts=list(counts),
+                global_step=step,
+            )
+
+
+class WandbRunTarget:
+    """Scalars and ``wandb.Histogram``s into a W&B run, in one ``log`` call per sample.
+
+    Args:
+        run: The W&B run (``WandbLogger.experiment``, Accelerate's ``WandBTracker.run``).
+        step_key: Log the step as this metric (Lightning's ``"trainer/global_step"``), so rows
+            line up with the trainer's own; ``None`` passes it as W&B's ``step=`` instead.
+    """
+
+    def __init__(self, run: Any, *, step_key: str | None = None) -> None:
+        self.run = run
+        self.step_key = step_key
+
+    def log(
+        self, scalars: Mapping[str, float], histograms: Mapping[str, HistogramRecord], step: int
+    ) -> None:
+        """Write one W&B history row holding the scalars and histograms of this step."""
+        try:
+            import numpy as np
+            import wandb
+        except ImportError as error:
+            raise MissingDependencyError("W&B routing needs wandb: pip install wandb") from error
+        data: dict[str, Any] = dict(scalars)
+        for key, record in histograms.items():
+            counts, edges = np.asarray(record.counts), np.asarray(record.edges)
+            data[key] = wandb.Histogram(np_histogram=(counts, edges))
+        if self.step_key is None:
+            self.run.log(data, step=step)
+        else:
+            self.run.log({**data, self.step_key: step})
+
+
+class ScalarTarget:
+    """Scalars into any ``log(metrics, step)`` function; histograms are left out.
+
+    Args:
+        log_metrics: E.g. a Lightning logger's ``log_metrics`` or an Accelerate tracker's ``log``.
+    """
+
+    def __init__(self, log_metrics: Callable[[dict[str, float], int], Any]) -> None:
+        self.log_metrics = log_metrics
+
+    def log(
+        self, scalars: Mapping[str, float], histograms: Mapping[str, HistogramRecord], step: int
+    ) -> None:
+        """Write the scalars at ``step``."""
+        if scalars:
+            self.log_metrics(dict(scalars), step)

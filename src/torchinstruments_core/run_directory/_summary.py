@@ -1,0 +1,81 @@
+"""A short per-layer table of a finished run, for the end of a training script."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+_COLUMNS = ("output std", "max_abs/rms", "grad rms", "non-finite")
+
+
+def summarize_run(folder: Path, *, max_layers: int = 40) -> str:
+    """Per layer (first call, whole output): mean output std, outlier ratio, gradient rms.
+
+    ``non-finite`` is the largest fraction of NaN/Inf seen in the layer's output or gradient. The
+    last line names the first sample and layer where non-finite values appeared, if any.
+
+    Args:
+        folder: A finished run directory (one holding ``result.json`` and ``history.parquet``).
+        max_layers: Rows shown at most (the first ones in execution order).
+    """
+    result = json.loads((folder / "result.json").read_text())
+    lines = [f"{'layer':<24}{'type':<14}" + "".join(f"{c:>13}" for c in _COLUMNS)]
+    for layer in result["layers"][:max_layers]:
+        lines.append(_row(layer))
+    if len(result["layers"]) > max_layers:
+        lines.append(
+            f"… {len(result['layers']) - max_layers} more layers in {folder / 'result.json'}"
+        )
+    lines.append(_first_nonfinite(folder))
+    return "\n".join(lines)
+
+
+def _row(layer: dict[str, Any]) -> str:
+    first = {
+        m["signal"]: m["metrics"]
+        for m in layer["measurements"]
+        if m["call_index"] == 0 and m["tensor_path"] == "output"
+    }
+    out, grad = first.get("output", {}), first.get("output_gradient", {})
+    mean = {name: stats.get("mean") for name, stats in out.items()}
+    ratio = (
+        mean["max_abs"] / mean["rms"]
+        if mean.get("max_abs") is not None and mean.get("rms")
+        else None
+    )
+    worst = [s.get("nonfinite_fraction", {}).get("max") for s in (out, grad)]
+    cells = (
+        mean.get("std"),
+        ratio,
+        grad.get("rms", {}).get("mean"),
+        max((w for w in worst if w is not None), default=None),
+    )
+    return f"{layer['name'][:23]:<24}{layer['type'][:13]:<14}" + "".join(_cell(c) for c in cells)
+
+
+def _cell(value: float | None) -> str:
+    return f"{value:>13.4g}" if value is not None else f"{'-':>13}"
+
+
+def _first_nonfinite(folder: Path) -> str:
+    import polars as pl
+
+    first = (
+        pl.scan_parquet(folder / "history.parquet")
+        .filter((pl.col("metric") == "nonfinite_fraction") & (pl.col("value") > 0))
+        .sort("sample_id")
+        .select("sample_id", "step", "layer", "signal")
+        .head(1)
+        .collect()
+    )
+    if first.height == 0:
+        return "no non-finite values in any sampled output or gradient"
+    row = first.row(0, named=True)
+    step = f" (step {row['step']})" if row["step"] is not None else ""
+    return (
+        f"first non-finite values: sample {row['sample_id']}{step}, "
+        f"layer {row['layer']!r}, {row['signal']}"
+    )

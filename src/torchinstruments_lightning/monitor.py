@@ -1,0 +1,306 @@
+"""``TelemetryMonitor``: per-layer activation and gradient telemetry for a Lightning ``Trainer``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from torchinstruments_core import inject_observer
+from torchinstruments_core.adapter import (
+    AdapterPolicies,
+    RoutingOptions,
+    StepSchedule,
+    telemetry_sink,
+)
+from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS
+from torchinstruments_core.run_directory import next_free_folder
+from torchinstruments_lightning._loggers import logger_targets
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import lightning.pytorch as pl
+
+    from torchinstruments_core import Observer, Reducer
+    from torchinstruments_core.selectors import SelectorFn
+
+log = logging.getLogger(__name__)
+
+
+class TelemetryMonitor(Callback):
+    r"""Samples per-layer statistics of outputs and output gradients every ``every_n_steps`` steps.
+
+    The forwards and backwards of every ``every_n_steps``-th optimizer step
+    (``trainer.global_step`` 0, n, 2n …) are sampled, every micro-batch of it under
+    ``accumulate_grad_batches`` (one sample each), and every row carries ``trainer.global_step``
+    as its ``step``. Validation, test and predict batches are sampled only when asked, as
+    forward-only samples at the current global step; the sanity check never is, and none of them
+    shifts the training schedule. Manual optimization works the same way.
+
+    Hooks are placed on the ``LightningModule`` when fitting starts (or a sampled validate, test or
+    predict run starts) and removed on teardown and on an exception (``KeyboardInterrupt``
+    included); the run directory is finalized each time. Under ``16-mixed`` the gradients are
+    recorded divided by the GradScaler's current scale, i.e. unscaled, as the optimizer sees them
+    (``unscale_gradients=False`` records them scaled); ``bf16-mixed`` needs no scaling.
+
+    Logged metrics:
+        Into ``trainer.loggers`` on global rank 0, at ``trainer.global_step``:
+
+        - ``<prefix>/<layer>/<signal>/<metric>``: for each focus layer (up to
+          ``max_histogram_modules``, spread over the model's depth), ``signal`` ``output`` and
+          ``output_gradient``, ``metric`` in ``scalar_metrics`` (default ``rms``, ``max_abs``,
+          ``nonfinite_fraction``). A second call of a module adds ``/call_<k>`` after the signal,
+          a tensor inside a nested output its path (``/output.0``).
+        - ``<prefix>/<layer>/<signal>/histogram``: the histogram of the same tensors, to
+          TensorBoardLogger (raw histograms) and WandbLogger (``wandb.Histogram``, with
+          ``trainer/global_step``); other loggers (CSV, MLflow …) get the scalars only.
+        - ``<prefix>/nonfinite_tensors``: how many observed tensors held NaN or Inf in the sample.
+        - ``<prefix>/collection_duration_ms``: host time spent observing the sample.
+
+        Every layer's full statistics go to the run directory, by default
+        ``<trainer.log_dir>/telemetry`` (``rank-NNN/`` per rank under ``rank_policy="all"``):
+        ``history.parquet``, ``samples.parquet``, ``result.json``, ``index.md``, ``tensorboard/``.
+
+    Args:
+        every_n_steps: Sample every this many optimizer steps.
+        output_dir: The run directory (default ``<trainer.log_dir>/telemetry``). If it already holds
+            a run, ``<output_dir>-resumed-<k>`` is used instead; nothing is overwritten.
+        log_to_loggers: Route scalars and histograms into ``trainer.loggers``.
+        write_directory: Write the run directory.
+        prefix: First part of every logged key.
+        scalar_metrics: Metrics routed to the loggers as scalars.
+        scalar_layers: ``"focus"``, ``"all"``, or glob patterns of layer names.
+        selector: Which modules are observed (default: every leaf module).
+        reducers: Scalar reducers (default: the eleven metrics of ``default_reducers()``).
+        histogram_selector: Which modules are the focus layers (histograms and logged scalars).
+        max_histogram_modules: At most this many focus layers.
+        rank_policy: ``"rank0"`` observes only global rank 0; ``"all"`` every rank, each writing
+            its own ``rank-NNN/``; routing into loggers stays on rank 0.
+        error_policy: ``"warn"`` keeps training when observing fails; ``"raise"`` stops.
+        sample_validation: Also sample validation batches (forward only).
+        sample_test: Also sample test batches.
+        sample_predict: Also sample predict batches.
+        unscale_gradients: Divide gradients by the fp16 loss scale before measuring them.
+
+    Example::
+
+        trainer = Trainer(callbacks=[TelemetryMonitor(every_n_steps=50)],
+                          logger=TensorBoardLogger("logs"))
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        *,
+        output_dir: str | Path | None = None,
+        log_to_loggers: bool = True,
+        write_directory: bool = True,
+        prefix: str = "telemetry",
+        scalar_metrics: Sequence[str] = DEFAULT_SCALAR_METRICS,
+        scalar_layers: str | Sequence[str] = "focus",
+        selector: SelectorFn | None = None,
+        reducers: Sequence[Reducer] | None = None,
+        histogram_selector: SelectorFn | None = None,
+        max_histogram_modules: int = 8,
+        rank_policy: str = "rank0",
+        error_policy: str = "warn",
+        sample_validation: bool = False,
+        sample_test: bool = False,
+        sample_predict: bool = False,
+        unscale_gradients: bool = True,
+    ) -> None:
+        self.schedule = StepSchedule(every_n_steps)
+        self.policies = AdapterPolicies.parse(rank_policy, error_policy)
+        layers = scalar_layers if isinstance(scalar_layers, str) else tuple(scalar_layers)
+        self.routing = RoutingOptions(prefix, tuple(scalar_metrics), layers)
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.log_to_loggers = log_to_loggers
+        self.write_directory = write_directory
+        self.sampled_stages = {
+            "validate": sample_validation,
+            "test": sample_test,
+            "predict": sample_predict,
+        }
+        self.unscale_gradients = unscale_gradients
+        self._observe = {
+            "selector": selector,
+            "reducers": reducers,
+            "histogram_selector": histogram_selector,
+            "max_histogram_modules": max_histogram_modules,
+        }
+        self._observer: Observer | None = None
+        self._resumed: dict[str, Any] = {}
+
+    @property
+    def observer(self) -> Observer | None:
+        """The core observer while attached (``None`` before fitting and on unobserved ranks)."""
+        return self._observer
+
+    # Attached at the start of the stage, not in setup: a checkpoint's callback state (sample ids
+    # to continue) is restored between the two.
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._attach(trainer, pl_module)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.sampled_stages["validate"]:
+            self._attach(trainer, pl_module)
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.sampled_stages["test"]:
+            self._attach(trainer, pl_module)
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.sampled_stages["predict"]:
+            self._attach(trainer, pl_module)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach()
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._detach()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._observer is None:
+            return
+        step = trainer.global_step
+        # The step, not the root forward, is the sampling unit: a training_step may call only
+        # submodules, so samples are opened explicitly and root forwards never sample by themselves.
+        self._observer.begin_step(step, sample=False)
+        if self.schedule.samples(step):
+            self._observer.set_gradient_scale(self._loss_scale(trainer))
+            self._observer.open_sample(step)
+
+    @override
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any
+    ) -> None:
+        if self._observer is not None:
+            self._observer.finish_forward()
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self._observer is not None:
+            self._observer.finish_forward()
+            self._observer.end_step()
+
+    @override
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.sampled_stages["validate"] and not trainer.sanity_checking:
+            self._open_forward_only(trainer)
+
+    @override
+    def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self._finish_forward_only()
+
+    @override
+    def on_test_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        if self.sampled_stages["test"]:
+            self._open_forward_only(trainer)
+
+    @override
+    def on_test_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self._finish_forward_only()
+
+    @override
+    def on_predict_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        if self.sampled_stages["predict"]:
+            self._open_forward_only(trainer)
+
+    @override
+    def on_predict_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self._finish_forward_only()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        observer = self._observer
+        return {
+            "samples_taken": observer.samples_taken
+            if observer
+            else self._resumed.get("samples_taken", 0),
+            "run_id": observer.run_id if observer else self._resumed.get("run_id"),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed = dict(state_dict)
+
+    def _open_forward_only(self, trainer: pl.Trainer) -> None:
+        if self._observer is not None:
+            self._observer.set_gradient_scale(None)
+            self._observer.open_sample(trainer.global_step)
+
+    def _finish_forward_only(self) -> None:
+        if self._observer is not None:
+            self._observer.finish_forward()
+            self._observer.flush()
+
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._observer is not None:
+            return
+        # Collective: every rank must take part before any rank decides not to observe.
+        folder = trainer.strategy.broadcast(self._folder(trainer) if self.write_directory else None)
+        if self.policies.rank_policy == "rank0" and not trainer.is_global_zero:
+            return
+        targets = (
+            logger_targets(trainer.loggers)
+            if self.log_to_loggers and trainer.is_global_zero
+            else []
+        )
+        sink = telemetry_sink(output_dir=folder, targets=targets, routing=self.routing)
+        self._observer = inject_observer(
+            pl_module,
+            sink=sink,
+            rank_policy=self.policies.rank_policy,
+            error_policy=self.policies.error_policy,
+            run_id=self._resumed.get("run_id"),
+            first_sample_id=int(self._resumed.get("samples_taken", 0)),
+            **self._observe,  # type: ignore[arg-type]
+        )
+        self._observer.begin_step(trainer.global_step, sample=False)
+        if folder is not None and trainer.is_global_zero:
+            log.info("TelemetryMonitor: writing the run directory to %s", folder)
+
+    def _folder(self, trainer: pl.Trainer) -> Path:
+        base = self.output_dir or Path(trainer.log_dir or trainer.default_root_dir) / "telemetry"
+        return next_free_folder(base)
+
+    def _detach(self) -> None:
+        observer, self._observer = self._observer, None
+        if observer is not None:
+            self._resumed = {"samples_taken": observer.samples_taken, "run_id": observer.run_id}
+            observer.remove()
+
+    def _loss_scale(self, trainer: pl.Trainer) -> float | None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if not self.unscale_gradients or scaler is None or not scaler.is_enabled():
+            return None
+        return float(scaler.get_scale())

@@ -1,0 +1,230 @@
+"""TelemetryMonitor with real Lightning training, real loggers and real readers."""
+
+from __future__ import annotations
+
+import csv
+import pathlib
+
+import lightning.pytorch as pl
+import polars as pl_
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_helpers import Regressor, loader, telemetry_dir, trainer
+from torchinstruments_core import ConfigurationError
+from torchinstruments_lightning import TelemetryMonitor
+
+SAMPLED = [0, 3, 6, 9]
+
+
+def _events(folder: pathlib.Path) -> EventAccumulator:
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    return events
+
+
+def _history(root: pathlib.Path) -> pl_.DataFrame:
+    return pl_.read_parquet(telemetry_dir(root) / "history.parquet")
+
+
+def _hooks(module: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
+
+
+def test_tensorboard_and_csv_loggers_get_the_sampled_steps(tmp_path: pathlib.Path) -> None:
+    """TensorBoard holds histograms and scalars at exactly the sampled steps; CSV the scalars."""
+    tensorboard = TensorBoardLogger(tmp_path, name="tb")
+    csv_logger = CSVLogger(tmp_path, name="csv")
+    monitor = TelemetryMonitor(every_n_steps=3)
+    trainer(tmp_path, max_steps=10, logger=[tensorboard, csv_logger], callbacks=[monitor]).fit(
+        Regressor(), loader()
+    )
+    events = _events(pathlib.Path(tensorboard.log_dir))
+    histogram_tags = events.Tags()["histograms"]
+    assert "telemetry/net.0/output/histogram" in histogram_tags
+    assert "telemetry/net.2/output_gradient/histogram" in histogram_tags
+    assert [e.step for e in events.Histograms("telemetry/net.0/output/histogram")] == SAMPLED
+    rms = events.Scalars("telemetry/net.0/output_gradient/rms")
+    assert [e.step for e in rms] == SAMPLED
+    assert all(e.value > 0 for e in rms)
+    assert [e.step for e in events.Scalars("telemetry/nonfinite_tensors")] == SAMPLED
+    with open(pathlib.Path(csv_logger.log_dir) / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    column = "telemetry/net.2/output/max_abs"
+    assert sorted({int(r["step"]) for r in rows if r.get(column)}) == SAMPLED
+    history = pl_.read_parquet(pathlib.Path(tensorboard.log_dir) / "telemetry" / "history.parquet")
+    assert sorted(history["step"].unique()) == SAMPLED
+    assert set(history["layer"]) == {"net.0", "net.1", "net.2"}
+
+
+def test_every_micro_batch_of_an_accumulated_step_is_sampled(tmp_path: pathlib.Path) -> None:
+    """Under accumulate_grad_batches=3 a sampled step gives three samples, all at that step."""
+    monitor = TelemetryMonitor(every_n_steps=2)
+    trainer(tmp_path, max_steps=5, accumulate_grad_batches=3, callbacks=[monitor]).fit(
+        Regressor(), loader(batches=32)
+    )
+    samples = pl_.read_parquet(telemetry_dir(tmp_path) / "samples.parquet")
+    assert samples["step"].to_list() == [0, 0, 0, 2, 2, 2, 4, 4, 4]
+    assert samples["forward_only"].to_list() == [False] * 9
+
+
+def test_validation_and_sanity_check_do_not_shift_the_schedule(tmp_path: pathlib.Path) -> None:
+    """Sanity check and validation take no sample by default and move no training sample."""
+    monitor = TelemetryMonitor(every_n_steps=3)
+    trainer(
+        tmp_path, max_steps=10, num_sanity_val_steps=2, val_check_interval=4, callbacks=[monitor]
+    ).fit(Regressor(), loader(), loader(batches=4))
+    samples = pl_.read_parquet(telemetry_dir(tmp_path) / "samples.parquet")
+    assert samples["step"].to_list() == SAMPLED
+    assert not any(samples["forward_only"])
+
+
+def test_sample_validation_adds_forward_only_samples(tmp_path: pathlib.Path) -> None:
+    """sample_validation=True adds forward-only samples at the current global step."""
+    monitor = TelemetryMonitor(every_n_steps=100, sample_validation=True)
+    trainer(tmp_path, max_steps=4, val_check_interval=4, callbacks=[monitor]).fit(
+        Regressor(), loader(), loader(batches=2)
+    )
+    samples = pl_.read_parquet(telemetry_dir(tmp_path) / "samples.parquet")
+    assert samples.select("step", "forward_only").rows() == [(0, False), (4, True), (4, True)]
+
+
+def test_manual_optimization(tmp_path: pathlib.Path) -> None:
+    """With manual optimization, sampled steps have forward and gradient rows."""
+
+    class Manual(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: object, batch_idx: int) -> None:  # type: ignore[override]
+            optimizer = self.optimizers()
+            x, y = batch  # type: ignore[misc]
+            loss = (self.net(x) - y).square().mean()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+
+    trainer(tmp_path, max_steps=4, callbacks=[TelemetryMonitor(every_n_steps=2)]).fit(
+        Manual(), loader()
+    )
+    history = _history(tmp_path)
+    assert sorted(history["step"].unique()) == [0, 2]
+    assert set(history["signal"]) == {"output", "output_gradient"}
+
+
+def test_exception_mid_fit_removes_hooks_and_finalizes(tmp_path: pathlib.Path) -> None:
+    """An exception in training_step: hooks removed, the run directory finalized with samples."""
+    model = Regressor(fail_at_step=5)
+    with pytest.raises(RuntimeError, match="failure in training_step"):
+        trainer(tmp_path, max_steps=10, callbacks=[TelemetryMonitor(every_n_steps=2)]).fit(
+            model, loader()
+        )
+    assert _hooks(model) == 0
+    assert sorted(_history(tmp_path)["step"].unique()) == [0, 2, 4]
+    assert (telemetry_dir(tmp_path) / "result.json").read_text().count('"status": "complete"') == 1
+
+
+def test_keyboard_interrupt_removes_hooks_and_finalizes(tmp_path: pathlib.Path) -> None:
+    """Ctrl-C during fit (Lightning's graceful interrupt) still finalizes the run directory."""
+    model = Regressor(interrupt_at_step=3)
+    fit = trainer(tmp_path, max_steps=10, callbacks=[TelemetryMonitor(every_n_steps=1)])
+    with pytest.raises(SystemExit):
+        fit.fit(model, loader())
+    assert _hooks(model) == 0
+    assert sorted(_history(tmp_path)["step"].unique()) == [0, 1, 2]
+
+
+def test_resume_continues_sample_ids_and_steps_without_overwriting(tmp_path: pathlib.Path) -> None:
+    """Resuming from a checkpoint continues sample ids and steps; the first run's files stay."""
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    first = trainer(
+        tmp_path, max_steps=4, logger=logger, callbacks=[TelemetryMonitor(every_n_steps=2)]
+    )
+    first.fit(Regressor(), loader())
+    checkpoint = next((tmp_path / "run" / "version_0" / "checkpoints").glob("*.ckpt"))
+    before = (tmp_path / "run" / "version_0" / "telemetry" / "history.parquet").read_bytes()
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    second = trainer(
+        tmp_path, max_steps=8, logger=logger, callbacks=[TelemetryMonitor(every_n_steps=2)]
+    )
+    with pytest.warns(UserWarning, match="Checkpoint directory .* exists and is not empty"):
+        second.fit(Regressor(), loader(), ckpt_path=checkpoint)
+    folder = tmp_path / "run" / "version_0"
+    assert (folder / "telemetry" / "history.parquet").read_bytes() == before
+    first_samples = pl_.read_parquet(folder / "telemetry" / "samples.parquet")
+    resumed = pl_.read_parquet(folder / "telemetry-resumed-1" / "samples.parquet")
+    assert first_samples.select("sample_id", "step").rows() == [(0, 0), (1, 2)]
+    assert resumed.select("sample_id", "step").rows() == [(2, 4), (3, 6)]
+    assert resumed["run_id"].unique().to_list() == first_samples["run_id"].unique().to_list()
+
+
+def test_fp16_gradients_are_reported_unscaled(tmp_path: pathlib.Path) -> None:
+    """Under 16-mixed with a GradScaler, gradients are recorded divided by the loss scale."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class SumLoss(Regressor):
+        def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+            x, _ = batch  # type: ignore[misc]
+            return self.net(x).float().sum()  # d(loss)/d(output of net.2) is exactly 1
+
+    means = {}
+    for unscale in (True, False):
+        root = tmp_path / str(unscale)
+        plugin = MixedPrecision(
+            "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0)
+        )
+        monitor = TelemetryMonitor(every_n_steps=1, unscale_gradients=unscale)
+        trainer(root, max_steps=1, plugins=[plugin], callbacks=[monitor]).fit(SumLoss(), loader())
+        history = _history(root)
+        means[unscale] = history.filter(
+            (pl_.col("layer") == "net.2")
+            & (pl_.col("signal") == "output_gradient")
+            & (pl_.col("metric") == "mean")
+        )["value"].item()
+    assert means[True] == pytest.approx(1.0)
+    assert means[False] == pytest.approx(1024.0)
+
+
+def test_bf16_mixed_works(tmp_path: pathlib.Path) -> None:
+    """Under bf16-mixed the statistics are finite and the gradients present."""
+    trainer(
+        tmp_path, max_steps=2, precision="bf16-mixed", callbacks=[TelemetryMonitor(every_n_steps=1)]
+    ).fit(Regressor(), loader())
+    history = _history(tmp_path)
+    assert history["value"].null_count() == 0
+    assert set(history["signal"]) == {"output", "output_gradient"}
+
+
+def test_beside_weight_averaging_checkpointing_and_anomaly_detection(
+    tmp_path: pathlib.Path,
+) -> None:
+    """SWA, EMA weight averaging, ModelCheckpoint and detect_anomaly work beside the monitor."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    callbacks: list[pl.Callback] = [
+        TelemetryMonitor(every_n_steps=2),
+        StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1),
+        ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_train_steps=2),
+    ]
+    model = Regressor()
+    trainer(tmp_path, max_epochs=2, callbacks=callbacks, detect_anomaly=True).fit(
+        model, loader(batches=4)
+    )
+    assert sorted(_history(tmp_path)["step"].unique()) == [0, 2, 4, 6]
+    assert _hooks(model) == 0
+    ema_root = tmp_path / "ema"
+    ema = [TelemetryMonitor(every_n_steps=2), EMAWeightAveraging(decay=0.9)]
+    trainer(ema_root, max_steps=4, callbacks=ema).fit(Regressor(), loader())
+    assert sorted(_history(ema_root)["step"].unique()) == [0, 2]
+
+
+def test_bad_arguments_raise_in_the_constructor() -> None:
+    """Configuration errors name the argument, the value and the choices."""
+    with pytest.raises(ConfigurationError, match="every_n_steps=0"):
+        TelemetryMonitor(every_n_steps=0)
+    with pytest.raises(ConfigurationError, match="rank_policy='some'"):
+        TelemetryMonitor(rank_policy="some")

@@ -1,0 +1,57 @@
+"""TelemetryMonitor into a real offline W&B run, and under real two-process DDP (gloo, CPU)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import polars as pl
+import pytest
+from lightning.pytorch.loggers import WandbLogger
+
+from lightning_helpers import Regressor, loader, trainer
+from torchinstruments_lightning import TelemetryMonitor
+from wandb_records import history_rows
+
+
+def test_wandb_offline_run_holds_histograms_at_the_sampled_steps(tmp_path: pathlib.Path) -> None:
+    """The .wandb file of an offline run holds our histograms, keyed to trainer/global_step."""
+    import wandb
+
+    os.environ["WANDB_SILENT"] = "true"
+    logger = WandbLogger(project="telemetry-test", save_dir=str(tmp_path), offline=True)
+    trainer(
+        tmp_path, max_steps=7, logger=logger, callbacks=[TelemetryMonitor(every_n_steps=3)]
+    ).fit(Regressor(), loader())
+    wandb.finish()
+    wandb.teardown()  # without it the offline file holds only its header
+    rows = history_rows(tmp_path)
+    key = "telemetry/net.0/output/histogram"
+    ours = [r for r in rows if f"{key}/_type" in r]
+    assert [r["trainer/global_step"] for r in ours] == [0, 3, 6]
+    assert all(r[f"{key}/_type"] == "histogram" for r in ours)
+    assert sum(ours[0][f"{key}/values"]) == 4 * 8  # batch 4 x 8 features
+    assert all(r["telemetry/net.2/output_gradient/rms"] > 0 for r in ours)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["all", "rank0"])
+def test_ddp_spawn_two_processes(tmp_path: pathlib.Path, policy: str) -> None:
+    """'all': one directory per rank; 'rank0': only rank 0's. Names carry no wrapper prefix."""
+    monitor = TelemetryMonitor(every_n_steps=2, rank_policy=policy)
+    fit = trainer(
+        tmp_path, max_steps=4, devices=2, strategy="ddp_spawn", callbacks=[monitor], logger=False
+    )
+    fit.fit(Regressor(), loader())
+    telemetry = tmp_path / "telemetry"
+    if policy == "all":
+        ranks = sorted(p.name for p in telemetry.glob("rank-*"))
+        assert ranks == ["rank-000", "rank-001"]
+        frame = pl.scan_parquet(telemetry / "rank-*" / "history.parquet").collect()
+        assert sorted(frame["rank"].unique()) == [0, 1]
+    else:
+        assert not list(telemetry.glob("rank-*"))
+        frame = pl.read_parquet(telemetry / "history.parquet")
+        assert frame["rank"].unique().to_list() == [0]
+    assert set(frame["layer"]) == {"net.0", "net.1", "net.2"}
+    assert sorted(frame["step"].unique()) == [0, 2]
