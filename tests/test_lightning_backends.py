@@ -54,4 +54,5 @@ def test_ddp_spawn_two_processes(tmp_path: pathlib.Path, policy: str) -> None:
         frame = pl.read_parquet(telemetry / "history.parquet")
         assert frame["rank"].unique().to_list() == [0]
     assert set(frame["layer"]) == {"net.0", "net.1", "net.2"}
+    assert frame["run_id"].n_unique() == 1  # the ranks of one launch share the run id
     assert sorted(frame["step"].unique()) == [0, 2]

@@ -118,7 +118,7 @@ def inject_observer(
         rank_policy=parse_choice(RankPolicy, "rank_policy", rank_policy),
         error_policy=parse_choice(ErrorPolicy, "error_policy", error_policy),
         capture_direct_forwards=bool(capture_direct_forwards),
-        run_id=run_id or _new_run_id(),
+        run_id=run_id or new_run_id(),
         first_sample_id=check_positive_int("first_sample_id", first_sample_id, minimum=0),
     )
     observer = Observer(model, config)
@@ -176,7 +176,8 @@ def _check_reducers(reducers: Sequence[Reducer] | None) -> tuple[Reducer, ...]:
     return checked
 
 
-def _new_run_id() -> str:
+def new_run_id() -> str:
+    """A run id from the local time and a random suffix: ``20261129-214253-9f3f7c``."""
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 

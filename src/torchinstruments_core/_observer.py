@@ -222,9 +222,11 @@ class Observer:
         self._end_forward(failed=True)  # a forward cut short (an exception) keeps what it measured
         try:
             if self._enabled:
-                self.flush()
-                self._open_sink()
-                self._guard("close", self._config.sink.close)
+                try:
+                    self.flush()
+                finally:  # the sink is closed (its files finalized) even if delivery raised
+                    self._open_sink()
+                    self._guard("close", self._config.sink.close)
         finally:
             self._release_references()
 

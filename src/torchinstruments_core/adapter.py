@@ -67,6 +67,13 @@ class AdapterPolicies:
         )
 
 
+def new_run_id() -> str:
+    """A fresh run id; an adapter broadcasts one from rank 0 so that every rank shares it."""
+    from torchinstruments_core._inject import new_run_id as generate
+
+    return generate()
+
+
 def telemetry_sink(
     *, output_dir: Path | None, targets: Sequence[Target], routing: RoutingOptions
 ) -> Sink:

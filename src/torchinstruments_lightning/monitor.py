@@ -14,6 +14,7 @@ from torchinstruments_core.adapter import (
     AdapterPolicies,
     RoutingOptions,
     StepSchedule,
+    new_run_id,
     telemetry_sink,
 )
 from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS
@@ -268,6 +269,7 @@ class TelemetryMonitor(Callback):
             return
         # Collective: every rank must take part before any rank decides not to observe.
         folder = trainer.strategy.broadcast(self._folder(trainer) if self.write_directory else None)
+        run_id = trainer.strategy.broadcast(self._resumed.get("run_id") or new_run_id())
         if self.policies.rank_policy == "rank0" and not trainer.is_global_zero:
             return
         targets = (
@@ -281,7 +283,7 @@ class TelemetryMonitor(Callback):
             sink=sink,
             rank_policy=self.policies.rank_policy,
             error_policy=self.policies.error_policy,
-            run_id=self._resumed.get("run_id"),
+            run_id=run_id,
             first_sample_id=int(self._resumed.get("samples_taken", 0)),
             **self._observe,  # type: ignore[arg-type]
         )
