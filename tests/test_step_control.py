@@ -59,3 +59,52 @@ def test_flush_delivers_open_samples() -> None:
         out.sum().backward()  # the closed sample takes no late gradient
     assert len(sink.samples) == 1
     assert sink.samples[0].forward_only
+
+
+def test_explicit_samples_cover_submodule_calls_without_a_root_forward() -> None:
+    """open_sample/finish_forward sample a step whose code calls submodules, not the root."""
+    import pytest
+
+    from torchinstruments_core import Signal
+
+    model = mlp()
+    sink = RecordingSink()
+    with inject_observer(model, sink=sink) as observer:
+        observer.begin_step(0, sample=False)  # no root forward samples by itself
+        assert observer.open_sample(5)
+        hidden = model[1](model[0](torch.randn(2, 4)))  # the root is never called
+        loss = model[2](hidden).sum()
+        observer.finish_forward()
+        model(torch.randn(2, 4))  # after finish_forward: not observed
+        loss.backward()
+        observer.end_step()
+    (sample,) = sink.samples
+    assert sample.step == 5
+    assert not sample.forward_only
+    layers = {(r.layer, r.signal) for r in sample.rows}
+    assert layers == {
+        (n, s) for n in ("0", "1", "2") for s in (Signal.OUTPUT, Signal.OUTPUT_GRADIENT)
+    }
+    assert sink.value("2", "output_gradient", "mean") == pytest.approx(1.0)
+
+
+def test_gradient_scale_divides_the_recorded_gradients() -> None:
+    """With set_gradient_scale(s), gradients are recorded divided by s; outputs are untouched."""
+    import pytest
+
+    from torchinstruments_core import ConfigurationError
+
+    model = mlp()
+    sink = RecordingSink()
+    x = torch.randn(3, 4)
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink) as observer:
+        (model(x).sum() * 1024.0).backward()  # as a loss scaler would
+        observer.set_gradient_scale(1024.0)
+        (model(x).sum() * 1024.0).backward()
+        with pytest.raises(ConfigurationError, match="scale=0"):
+            observer.set_gradient_scale(0)
+    assert sink.value("2", "output_gradient", "max", sample_id=0) == pytest.approx(1024.0)
+    assert sink.value("2", "output_gradient", "max", sample_id=1) == pytest.approx(1.0)
+    assert sink.value("0", "output", "std", sample_id=0) == sink.value(
+        "0", "output", "std", sample_id=1
+    )

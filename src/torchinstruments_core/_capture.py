@@ -76,7 +76,7 @@ class Attachment:
         on_output: Callable[[Layer, Any], None],
         direct: bool,
     ) -> None:
-        self._model = model
+        self._model: nn.Module | None = model
         self._layers = [layer for layer in layers if layer.module is not model]
         self._on_enter = on_enter
         self._on_exit = on_exit
@@ -90,19 +90,10 @@ class Attachment:
             Hook(functools.partial(self._layer_hook, layer)) for layer in self._layers
         ]
 
-    @classmethod
-    def empty(cls) -> Attachment:
-        """An attachment to nothing: what a removed observer keeps, so it holds no module."""
-        from torch import nn
-
-        return cls(
-            nn.Module(), [], on_enter=_nothing, on_exit=_nothing, on_output=_nothing, direct=False
-        )
-
     def attach(self) -> None:
         """Place the root hooks (or the forward patches); all or nothing."""
         try:
-            if self._direct:
+            if self._direct and self._model is not None:
                 self._patch(self._model, self._root_forward)
                 for layer in self._layers:
                     self._patch(layer.module, functools.partial(self._layer_forward, layer))
@@ -113,6 +104,7 @@ class Attachment:
             raise
 
     def _attach_root_hooks(self) -> None:
+        assert self._model is not None, "attach after detach"
         enter = Hook(lambda _module, _args: self._on_enter())
         exit_ = Hook(lambda _module, _args, output: self._on_exit(output))
         self._handles.append(self._model.register_forward_pre_hook(enter))
@@ -133,6 +125,10 @@ class Attachment:
             else:
                 del module.__dict__["forward"]
         self._patched.clear()
+        # A removed observer keeps its attachment object; it must not keep the model alive.
+        self._model = None
+        self._layers = []
+        self._layer_hooks = []
 
     def arm(self) -> None:
         """Register the per-module hooks for the sampled forward that starts now."""
@@ -179,7 +175,3 @@ class Attachment:
 def gradient_signal_site(site: Site) -> Site:
     """The site of the gradient that flows back into an observed output."""
     return Site(site.layer, site.call_index, Signal.OUTPUT_GRADIENT, site.tensor_path)
-
-
-def _nothing(*_args: object) -> None:
-    return None

@@ -262,7 +262,6 @@ class Observer:
         self._layers = []
         self._root_layer = None
         self._active = None
-        self._attachment = Attachment.empty()
 
     def _resolve_rank(self) -> RankInfo:
         if self._rank is None:
