@@ -270,8 +270,15 @@ class TelemetryMonitor(Callback):
         # Collective: every rank must take part before any rank decides not to observe.
         folder = trainer.strategy.broadcast(self._folder(trainer) if self.write_directory else None)
         run_id = trainer.strategy.broadcast(self._resumed.get("run_id") or new_run_id())
-        if self.policies.rank_policy == "rank0" and not trainer.is_global_zero:
-            return
+        if self.policies.rank_policy == "all" or trainer.is_global_zero:
+            self._inject(trainer, pl_module, folder, run_id)
+        # Every rank holds its sink before any creates its rank-NNN/ folder (at its first
+        # sample); a sink built later would take that folder for an older run's.
+        trainer.strategy.barrier("torchinstruments-attach")
+
+    def _inject(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, folder: Path | None, run_id: str
+    ) -> None:
         targets = (
             logger_targets(trainer.loggers)
             if self.log_to_loggers and trainer.is_global_zero

@@ -1,0 +1,78 @@
+"""The telemetry's clock: optimizer steps, counted the same way on every process.
+
+``accelerator.log`` runs on the main process only and a tracker never sees the training loop, so
+the step comes from the optimizer instead: a post-hook common to all optimizers (public torch API)
+that follows the first optimizer to step one of the watched model's parameters. Under
+``accelerator.accumulate`` the inner optimizer steps only when gradients are synchronized, so one
+tick is one optimizer step, whatever the number of micro-batches.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+    from torch import nn
+
+
+class OptimizerClock:
+    """Calls ``on_step`` after each step of the optimizer that trains ``model``.
+
+    That optimizer is the first to step one of ``model``'s parameters (any optimizer when none of
+    them requires a gradient). A step skipped by the fp16 ``GradScaler`` (an overflow) runs no
+    optimizer step and is not counted.
+
+    Args:
+        model: The watched model (only a weak reference is kept).
+        on_step: Called after each counted step.
+    """
+
+    def __init__(self, model: nn.Module, on_step: Callable[[], None]) -> None:
+        self._model = weakref.ref(model)
+        self._on_step = on_step
+        self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None
+        self._handle = register_optimizer_step_post_hook(self._after_step)
+
+    def remove(self) -> None:
+        """Stop counting. Safe to call again."""
+        self._handle.remove()
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._optimizer is None and self._trains_model(optimizer):
+            self._optimizer = weakref.ref(optimizer)
+        if self._optimizer is not None and self._optimizer() is optimizer:
+            self._on_step()
+
+    def _trains_model(self, optimizer: torch.optim.Optimizer) -> bool:
+        model = self._model()
+        if model is None:
+            return False
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        stepped = (id(p) for group in optimizer.param_groups for p in group["params"])
+        return not trainable or any(i in trainable for i in stepped)
+
+
+def upcoming_loss_scale(scaler: Any, *, before_update: bool) -> float | None:
+    """The fp16 loss scale the next backward will use (``None`` without an enabled scaler).
+
+    Accelerate calls ``scaler.update()`` right after the optimizer step, i.e. after the clock's
+    tick; the update doubles the scale every ``growth_interval`` unskipped steps, so a tick must
+    anticipate it. The growth counter comes from the scaler's public ``state_dict``.
+
+    Args:
+        scaler: ``accelerator.scaler`` (a ``torch.amp.GradScaler`` or ``None``).
+        before_update: Whether an unskipped step has run and its ``update()`` is still to come.
+    """
+    if scaler is None or not scaler.is_enabled():
+        return None
+    state = scaler.state_dict()
+    scale = float(state["scale"])
+    if before_update and state["_growth_tracker"] + 1 >= state["growth_interval"]:
+        scale *= float(state["growth_factor"])
+    return scale

@@ -1,0 +1,314 @@
+"""TelemetryTracker in one process, with real Accelerate training and real readers."""
+
+from __future__ import annotations
+
+import gc
+import pathlib
+import subprocess
+import sys
+import textwrap
+import weakref
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import polars as pl
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS, register_tracker_class
+
+import torchinstruments_accelerate
+from accelerate_helpers import (
+    RecordingTracker,
+    Regressor,
+    events,
+    hooks,
+    loader,
+    reset_accelerate_state,
+    samples,
+    setup,
+    train,
+)
+from torchinstruments_accelerate import TelemetryTracker
+from torchinstruments_core import ConfigurationError
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    """Each test builds its Accelerator from scratch; Accelerate's state is process-wide."""
+    reset_accelerate_state()
+    yield
+    reset_accelerate_state()
+
+
+def test_exported_names() -> None:
+    """The package exports exactly the tracker; it is the GeneralTracker Accelerate expects."""
+    assert torchinstruments_accelerate.__all__ == ["TelemetryTracker"]
+    telemetry = TelemetryTracker()
+    assert telemetry.name == "torchinstruments"
+    assert telemetry.requires_logging_directory is True
+    assert telemetry.tracker is None
+
+
+def test_tensorboard_and_scalar_trackers_get_the_sampled_steps(tmp_path: pathlib.Path) -> None:
+    """TensorBoard holds histograms and scalars at the sampled steps, other trackers scalars."""
+    telemetry = TelemetryTracker(every_n_steps=3)
+    recorder = RecordingTracker()
+    accelerator, model, optimizer, data = setup(
+        tmp_path, telemetry, log_with=["tensorboard", telemetry, recorder]
+    )
+    train(accelerator, model, optimizer, data, steps=8)
+    accelerator.end_training()
+    tensorboard = events(tmp_path / "exp")
+    histogram = "telemetry/net.0/output/histogram"
+    assert "telemetry/net.2/output_gradient/histogram" in tensorboard.Tags()["histograms"]
+    assert [e.step for e in tensorboard.Histograms(histogram)] == [0, 3, 6]
+    rms = tensorboard.Scalars("telemetry/net.0/output_gradient/rms")
+    assert [e.step for e in rms] == [0, 3, 6]
+    assert all(e.value > 0 for e in rms)
+    routed = [
+        (step, values) for values, step in recorder.calls if "telemetry/nonfinite_tensors" in values
+    ]
+    assert [step for step, _ in routed] == [0, 3, 6]
+    assert not any(key.endswith("/histogram") for _, values in routed for key in values)
+    history = pl.read_parquet(tmp_path / "telemetry" / "history.parquet")
+    assert sorted(history["step"].unique()) == [0, 3, 6]
+    assert set(history["layer"]) == {"net.0", "net.1", "net.2"}
+    assert hooks(model) == 0
+
+
+def test_every_micro_batch_of_an_accumulated_step_is_sampled(tmp_path: pathlib.Path) -> None:
+    """Under gradient_accumulation_steps=3 a sampled optimizer step gives three samples."""
+    telemetry = TelemetryTracker(every_n_steps=2)
+    accelerator, model, optimizer, data = setup(
+        tmp_path, telemetry, log_with=[telemetry], gradient_accumulation_steps=3
+    )
+    train(accelerator, model, optimizer, data, steps=5)
+    accelerator.end_training()
+    frame = samples(tmp_path / "telemetry")
+    assert frame["step"].to_list() == [0, 0, 0, 2, 2, 2, 4, 4, 4]
+    assert frame["forward_only"].to_list() == [False] * 9
+
+
+@pytest.mark.parametrize("order", ["before_prepare", "after_prepare"])
+def test_watch_before_or_after_prepare_under_mixed_precision(
+    tmp_path: pathlib.Path, order: str
+) -> None:
+    """bf16 autocast wraps forward; both orders sample, and removal leaves Accelerate's forward."""
+    telemetry = TelemetryTracker(every_n_steps=2)
+    accelerator = Accelerator(
+        cpu=True, mixed_precision="bf16", log_with=[telemetry], project_dir=tmp_path
+    )
+    accelerator.init_trackers("exp")
+    model = Regressor()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    if order == "before_prepare":
+        telemetry.watch(model, accelerator=accelerator)
+    prepared, optimizer, data = accelerator.prepare(model, optimizer, loader())
+    autocast_forward = model.__dict__["forward"]  # Accelerate's wrapper
+    if order == "after_prepare":
+        telemetry.watch(prepared, accelerator=accelerator)
+    train(accelerator, prepared, optimizer, data, steps=4)
+    accelerator.end_training()
+    assert hooks(model) == 0
+    assert model.__dict__["forward"] is autocast_forward
+    history = pl.read_parquet(tmp_path / "telemetry" / "history.parquet")
+    assert sorted(history["step"].unique()) == [0, 2]
+    assert set(history["layer"]) == {"net.0", "net.1", "net.2"}
+    assert set(history["signal"]) == {"output", "output_gradient"}
+    assert history["value"].null_count() == 0
+
+
+def test_the_step_follows_the_users_accelerator_log_step(tmp_path: pathlib.Path) -> None:
+    """accelerator.log(step=u) numbers the step in progress u, unless it was sampled already.
+
+    The schedule stays on optimizer steps 0, 2, 4 (two micro-batches each). A log at 1000 before
+    watch() numbers step 0; the loop logs 1000 + k + 1 after step k. A log at 2000 between the
+    micro-batches of step 2 leaves both at 1002; the next log (1003) numbers step 3.
+    """
+    telemetry = TelemetryTracker(every_n_steps=2)
+    accelerator, model, optimizer, data = setup(
+        tmp_path,
+        telemetry,
+        log_with=["tensorboard", telemetry],
+        watch=False,
+        gradient_accumulation_steps=2,
+    )
+    accelerator.log({"lr": 0.05}, step=1000)  # a resumed run: the user counts from 1000
+    telemetry.watch(model, accelerator=accelerator)
+    completed = 0
+    for x, y in data:
+        with accelerator.accumulate(model):
+            loss = (model(x) - y).square().mean()
+            accelerator.backward(loss)
+            if completed == 2:
+                accelerator.log({"grad_norm": 1.0}, step=2000)
+            optimizer.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            completed += 1
+            accelerator.log({"loss": loss.item()}, step=1000 + completed)
+            if completed == 5:
+                break
+    accelerator.end_training()
+    expected = [1000, 1000, 1002, 1002, 1004, 1004]
+    assert samples(tmp_path / "telemetry")["step"].to_list() == expected
+    histograms = events(tmp_path / "exp").Histograms("telemetry/net.0/output/histogram")
+    assert [e.step for e in histograms] == expected
+
+
+def test_registered_by_name_with_the_logging_directory(tmp_path: pathlib.Path) -> None:
+    """register_tracker_class: Accelerate builds it with init_kwargs and its logging_dir."""
+    register_tracker_class(TelemetryTracker)
+    try:
+        accelerator = Accelerator(
+            cpu=True, log_with=["tensorboard", "torchinstruments"], project_dir=tmp_path
+        )
+        accelerator.init_trackers("exp", init_kwargs={"torchinstruments": {"every_n_steps": 2}})
+        telemetry = accelerator.get_tracker("torchinstruments")
+        model = Regressor()
+        model, optimizer, data = accelerator.prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.05), loader()
+        )
+        telemetry.watch(model, accelerator=accelerator)
+        assert accelerator.get_tracker("torchinstruments", unwrap=True) is telemetry.tracker
+        train(accelerator, model, optimizer, data, steps=3)
+        accelerator.end_training()
+    finally:
+        LOGGER_TYPE_TO_CLASS.pop("torchinstruments", None)
+    assert samples(tmp_path / "telemetry")["step"].to_list() == [0, 2]
+    steps = [e.step for e in events(tmp_path / "exp").Scalars("telemetry/nonfinite_tensors")]
+    assert steps == [0, 2]
+
+
+def test_without_accelerator_only_the_directory_is_written(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """watch(model) alone: the run directory in ./telemetry, nothing in the other trackers."""
+    monkeypatch.chdir(tmp_path)
+    telemetry = TelemetryTracker(every_n_steps=2)
+    accelerator = Accelerator(
+        cpu=True, log_with=["tensorboard", telemetry], project_dir=tmp_path / "project"
+    )
+    accelerator.init_trackers("exp")
+    model = Regressor()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    telemetry.watch(model)
+    prepared, optimizer, data = accelerator.prepare(model, optimizer, loader())
+    train(accelerator, prepared, optimizer, data, steps=3, user_step=0)
+    accelerator.end_training()
+    assert samples(tmp_path / "telemetry")["step"].to_list() == [0, 2]
+    tags = events(tmp_path / "project" / "exp").Tags()
+    assert tags["scalars"] == ["loss"]
+    assert tags["histograms"] == []
+    assert hooks(model) == 0
+    telemetry.finish()  # again: nothing left to do
+
+
+def test_finish_leaves_no_hook_and_nothing_holding_the_tracker(tmp_path: pathlib.Path) -> None:
+    """After finish() no module hook is left and no hook (the optimizer's) holds the tracker."""
+    telemetry = TelemetryTracker(every_n_steps=1, output_dir=tmp_path / "run")
+    model = Regressor()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    telemetry.watch(model)
+    with pytest.raises(ConfigurationError, match="already watches a model"):
+        telemetry.watch(model)
+    for _ in range(2):
+        model(torch.randn(4, 4)).sum().backward()
+        optimizer.step()
+    telemetry.finish()
+    reference = weakref.ref(telemetry)
+    del telemetry
+    gc.collect()
+    assert reference() is None
+    assert hooks(model) == 0
+    assert samples(tmp_path / "run")["step"].to_list() == [0, 1]
+
+
+def test_fp16_gradients_are_unscaled_even_when_the_scaler_grows(tmp_path: pathlib.Path) -> None:
+    """Gradients are divided by the loss scale the backward used, also right after it grew.
+
+    The GradScaler updates its scale after the optimizer step that ticks the clock; with
+    growth_interval=2 it doubles before steps 2 and 4, both sampled. The loop is Accelerate's
+    order (scale, backward, step, update); the accelerator is the part the tracker reads.
+    """
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    accelerator = SimpleNamespace(scaler=scaler, trackers=[], logging_dir=tmp_path)
+    telemetry = TelemetryTracker(every_n_steps=2)
+    model = Regressor()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    telemetry.watch(model, accelerator=accelerator)  # type: ignore[arg-type]
+    for x, _ in list(loader())[:5]:
+        scaler.scale(model(x).sum()).backward()  # d(loss)/d(net.2 output) is exactly 1
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    telemetry.finish()
+    assert scaler.get_scale() == 1024.0 * 4
+    history = pl.read_parquet(tmp_path / "telemetry" / "history.parquet")
+    means = history.filter(
+        (pl.col("layer") == "net.2")
+        & (pl.col("signal") == "output_gradient")
+        & (pl.col("metric") == "mean")
+    ).sort("step")
+    assert means["step"].to_list() == [0, 2, 4]
+    assert means["value"].to_list() == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_an_exception_mid_loop_leaves_a_readable_history(tmp_path: pathlib.Path) -> None:
+    """A script without end_training that dies of an exception still ends with its history."""
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        from accelerate import Accelerator
+        from accelerate_helpers import Regressor, loader
+        from torchinstruments_accelerate import TelemetryTracker
+
+        telemetry = TelemetryTracker(every_n_steps=2)
+        accelerator = Accelerator(cpu=True, log_with=["tensorboard", telemetry],
+                                  project_dir=sys.argv[1])
+        accelerator.init_trackers("exp")
+        model = Regressor()
+        model, optimizer, data = accelerator.prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.05), loader())
+        telemetry.watch(model, accelerator=accelerator)
+        for step, (x, y) in enumerate(data):
+            loss = (model(x) - y).square().mean()
+            if step == 5:
+                raise RuntimeError("failure in the training loop")
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        """
+    )
+    tests = pathlib.Path(__file__).parent
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        cwd=tests,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "failure in the training loop" in result.stderr
+    history = pl.read_parquet(tmp_path / "telemetry" / "history.parquet")
+    assert sorted(history["step"].unique()) == [0, 2, 4]
+    assert not (tmp_path / "telemetry" / "history.parts").exists()  # compacted at exit
+
+
+def test_bad_arguments_raise_naming_the_argument() -> None:
+    """Configuration errors name the argument, the value and the choices."""
+    with pytest.raises(ConfigurationError, match="every_n_steps=0"):
+        TelemetryTracker(every_n_steps=0)
+    with pytest.raises(ConfigurationError, match="rank_policy='some'"):
+        TelemetryTracker(rank_policy="some")
+    with pytest.raises(ConfigurationError, match="error_policy='loud'"):
+        TelemetryTracker(error_policy="loud")
+    with pytest.raises(ConfigurationError, match="scalar_layers='first'"):
+        TelemetryTracker(scalar_layers="first")
+    with pytest.raises(ConfigurationError, match="run_name=50"):
+        TelemetryTracker(50)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="rank_policy='all' needs a tracker on every"):
+        TelemetryTracker("exp", "runs", rank_policy="all")
+    with pytest.raises(ConfigurationError, match="model='Tensor'"):
+        TelemetryTracker().watch(torch.zeros(1))  # type: ignore[arg-type]
