@@ -82,3 +82,10 @@ def test_import_pulls_in_no_optional_backend() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == ""
+
+
+def test_lightning_surface() -> None:
+    """The Lightning adapter exports exactly its callback (Accelerate: see test_accelerate.py)."""
+    import torchinstruments_lightning
+
+    assert torchinstruments_lightning.__all__ == ["TelemetryMonitor"]
