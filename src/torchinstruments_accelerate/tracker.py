@@ -14,15 +14,16 @@ from typing_extensions import override
 
 from torchinstruments_accelerate._clock import OptimizerClock, upcoming_loss_scale
 from torchinstruments_accelerate._trackers import AcceleratorTrackers
-from torchinstruments_core import ConfigurationError, inject_observer
+from torchinstruments_core import ConfigurationError
 from torchinstruments_core.adapter import (
     AdapterPolicies,
+    ObserveOptions,
     RoutingOptions,
     StepSchedule,
     new_run_id,
     telemetry_sink,
 )
-from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS, LoggerRouter
+from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS
 from torchinstruments_core.run_directory import next_free_folder
 
 if TYPE_CHECKING:
@@ -149,21 +150,13 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
                 "rank_policy='all' needs a tracker on every process, and Accelerate creates a "
                 "tracker registered by name on the main process only: pass an instance in log_with"
             )
-        # Checked now, naming the argument, by the router that watch() builds from them.
-        LoggerRouter((), prefix=prefix, scalar_metrics=scalar_metrics, scalar_layers=scalar_layers)
-        layers = scalar_layers if isinstance(scalar_layers, str) else tuple(scalar_layers)
-        self.routing = RoutingOptions(prefix, tuple(scalar_metrics), layers)
+        self.routing = RoutingOptions.parse(prefix, scalar_metrics, scalar_layers)
         self.logging_dir = Path(logging_dir) if logging_dir is not None else None
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.log_to_trackers = log_to_trackers
         self.write_directory = write_directory
         self.unscale_gradients = unscale_gradients
-        self._observe = {
-            "selector": selector,
-            "reducers": reducers,
-            "histogram_selector": histogram_selector,
-            "max_histogram_modules": max_histogram_modules,
-        }
+        self.observe = ObserveOptions(selector, reducers, histogram_selector, max_histogram_modules)
         self._observer: Observer | None = None
         self._clock: OptimizerClock | None = None
         self._routed: AcceleratorTrackers | None = None
@@ -212,13 +205,11 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
         if self.policies.rank_policy == "rank0" and not main:
             return None
         self._run_directory = folder
-        self._observer = inject_observer(
+        self._observer = self.observe.inject(
             model,
             sink=self._sink(folder, accelerator if main else None),
-            rank_policy=self.policies.rank_policy,
-            error_policy=self.policies.error_policy,
+            policies=self.policies,
             run_id=run_id,
-            **self._observe,  # type: ignore[arg-type]
         )
         if self.policies.rank_policy == "all":
             # Every process holds its sink before any creates its rank-NNN/ (at its first

@@ -16,6 +16,7 @@ from torchinstruments_core._config import (
     check_positive_int,
     parse_choice,
 )
+from torchinstruments_core._inject import inject_observer
 from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS, LoggerRouter
 from torchinstruments_core.sinks import MultiSink
 
@@ -23,7 +24,12 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from pathlib import Path
 
+    from torch import nn
+
+    from torchinstruments_core._observer import Observer
+    from torchinstruments_core.reducers import Reducer
     from torchinstruments_core.routing import Target
+    from torchinstruments_core.selectors import SelectorFn
     from torchinstruments_core.sinks import Sink
 
 
@@ -35,6 +41,48 @@ class RoutingOptions:
     scalar_metrics: tuple[str, ...] = DEFAULT_SCALAR_METRICS
     scalar_layers: str | tuple[str, ...] = "focus"
     histograms: bool = True
+
+    @classmethod
+    def parse(
+        cls, prefix: str, scalar_metrics: Sequence[str], scalar_layers: str | Sequence[str]
+    ) -> RoutingOptions:
+        """Validate the user's values now (naming the argument), not at the first sample."""
+        LoggerRouter((), prefix=prefix, scalar_metrics=scalar_metrics, scalar_layers=scalar_layers)
+        layers = scalar_layers if isinstance(scalar_layers, str) else tuple(scalar_layers)
+        return cls(prefix, tuple(scalar_metrics), layers)
+
+
+@dataclass(frozen=True, slots=True)
+class ObserveOptions:
+    """What an adapter observes: passed through to ``inject_observer``."""
+
+    selector: SelectorFn | None = None
+    reducers: Sequence[Reducer] | None = None
+    histogram_selector: SelectorFn | None = None
+    max_histogram_modules: int = 8
+
+    def inject(
+        self,
+        model: nn.Module,
+        *,
+        sink: Sink,
+        policies: AdapterPolicies,
+        run_id: str | None,
+        first_sample_id: int = 0,
+    ) -> Observer:
+        """Attach an observer to ``model`` with these options and the adapter's policies."""
+        return inject_observer(
+            model,
+            sink=sink,
+            selector=self.selector,
+            reducers=self.reducers,
+            histogram_selector=self.histogram_selector,
+            max_histogram_modules=self.max_histogram_modules,
+            rank_policy=policies.rank_policy,
+            error_policy=policies.error_policy,
+            run_id=run_id,
+            first_sample_id=first_sample_id,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from torchinstruments_core import inject_observer
 from torchinstruments_core.adapter import (
     AdapterPolicies,
+    ObserveOptions,
     RoutingOptions,
     StepSchedule,
     new_run_id,
@@ -116,8 +116,7 @@ class TelemetryMonitor(Callback):
     ) -> None:
         self.schedule = StepSchedule(every_n_steps)
         self.policies = AdapterPolicies.parse(rank_policy, error_policy)
-        layers = scalar_layers if isinstance(scalar_layers, str) else tuple(scalar_layers)
-        self.routing = RoutingOptions(prefix, tuple(scalar_metrics), layers)
+        self.routing = RoutingOptions.parse(prefix, scalar_metrics, scalar_layers)
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.log_to_loggers = log_to_loggers
         self.write_directory = write_directory
@@ -127,12 +126,7 @@ class TelemetryMonitor(Callback):
             "predict": sample_predict,
         }
         self.unscale_gradients = unscale_gradients
-        self._observe = {
-            "selector": selector,
-            "reducers": reducers,
-            "histogram_selector": histogram_selector,
-            "max_histogram_modules": max_histogram_modules,
-        }
+        self.observe = ObserveOptions(selector, reducers, histogram_selector, max_histogram_modules)
         self._observer: Observer | None = None
         self._resumed: dict[str, Any] = {}
 
@@ -285,14 +279,12 @@ class TelemetryMonitor(Callback):
             else []
         )
         sink = telemetry_sink(output_dir=folder, targets=targets, routing=self.routing)
-        self._observer = inject_observer(
+        self._observer = self.observe.inject(
             pl_module,
             sink=sink,
-            rank_policy=self.policies.rank_policy,
-            error_policy=self.policies.error_policy,
+            policies=self.policies,
             run_id=run_id,
             first_sample_id=int(self._resumed.get("samples_taken", 0)),
-            **self._observe,  # type: ignore[arg-type]
         )
         self._observer.begin_step(trainer.global_step, sample=False)
         if folder is not None and trainer.is_global_zero:
