@@ -13,7 +13,7 @@ from torch import nn
 from typing_extensions import override
 
 from torchinstruments_accelerate._clock import OptimizerClock, upcoming_loss_scale
-from torchinstruments_accelerate._trackers import AcceleratorTrackers
+from torchinstruments_accelerate._trackers import tracker_targets
 from torchinstruments_core import ConfigurationError
 from torchinstruments_core.adapter import (
     AdapterPolicies,
@@ -28,11 +28,12 @@ from torchinstruments_core.run_directory import next_free_folder
 
 if TYPE_CHECKING:
     import os
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from accelerate import Accelerator  # type: ignore[import-untyped]
 
     from torchinstruments_core import Observer, Reducer, Sink
+    from torchinstruments_core.routing import Target
     from torchinstruments_core.selectors import SelectorFn
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
         self.observe = ObserveOptions(selector, reducers, histogram_selector, max_histogram_modules)
         self._observer: Observer | None = None
         self._clock: OptimizerClock | None = None
-        self._routed: AcceleratorTrackers | None = None
+        self._routed: Accelerator | None = None  # whose trackers receive the samples
         self._scaler: Any = None
         self._steps = 0  # optimizer steps taken since watch()
         self._offset = 0  # the user's step minus ours, from accelerator.log(..., step=)
@@ -245,8 +246,7 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
         clock, self._clock = self._clock, None
         if clock is not None:
             clock.remove()
-        if self._routed is not None:
-            self._routed.close()
+        self._routed = None
         observer, self._observer = self._observer, None
         if observer is not None:
             observer.remove()
@@ -266,10 +266,16 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
         self._observer.begin_step(self._steps + self._offset, sample=sampled)
         self._samples_at_begin = self._observer.samples_taken
 
+    def _other_trackers(self) -> list[Target]:
+        # Looked up at each write, so watch() may come before init_trackers(); none after finish().
+        if self._routed is None:
+            return []
+        return tracker_targets(t for t in self._routed.trackers if t.name != self.name)
+
     def _sink(self, folder: Path | None, accelerator: Accelerator | None) -> Sink:
         routed = self.log_to_trackers and accelerator is not None
-        self._routed = AcceleratorTrackers(accelerator, skip_name=self.name) if routed else None
-        targets = [self._routed] if self._routed is not None else []
+        self._routed = accelerator if routed else None
+        targets: Callable[[], list[Target]] | list[Target] = self._other_trackers if routed else []
         return telemetry_sink(output_dir=folder, targets=targets, routing=self.routing)
 
     def _shared(

@@ -21,7 +21,7 @@ from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS, LoggerRouter
 from torchinstruments_core.sinks import MultiSink
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Iterable, Sequence
     from pathlib import Path
 
     from torch import nn
@@ -123,9 +123,15 @@ def new_run_id() -> str:
 
 
 def telemetry_sink(
-    *, output_dir: Path | None, targets: Sequence[Target], routing: RoutingOptions
+    *,
+    output_dir: Path | None,
+    targets: Sequence[Target] | Callable[[], Iterable[Target]],
+    routing: RoutingOptions,
 ) -> Sink:
-    """The run directory (unless ``output_dir`` is ``None``) and the logger routing, as one sink."""
+    """The run directory (unless ``output_dir`` is ``None``) and the logger routing, as one sink.
+
+    ``targets`` may be a function returning them at each write (see ``LoggerRouter``).
+    """
     from torchinstruments_core.run_directory import RunDirectorySink
 
     sinks: list[Sink] = []

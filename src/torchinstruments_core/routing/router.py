@@ -16,7 +16,7 @@ from torchinstruments_core._exceptions import ConfigurationError
 from torchinstruments_core.routing.base import tensor_key
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
     from torchinstruments_core._records import HistogramRecord, RunInfo, SampleRecord, StatRow
     from torchinstruments_core.routing.base import Target
@@ -28,7 +28,8 @@ class LoggerRouter:
     """Routes a chosen subset of each sample into targets, so a 500-layer model floods nothing.
 
     Args:
-        targets: Where to write (see ``routing.targets``).
+        targets: Where to write (see ``routing.targets``), or a function returning them, called
+            at each write, for a trainer whose loggers appear or close while the model is observed.
         prefix: First part of every key.
         scalar_metrics: Metrics logged as scalars.
         scalar_layers: ``"focus"`` (default: the histogram layers, at most 8), ``"all"``, or glob
@@ -38,7 +39,7 @@ class LoggerRouter:
 
     def __init__(
         self,
-        targets: Sequence[Target],
+        targets: Sequence[Target] | Callable[[], Iterable[Target]],
         *,
         prefix: str = "telemetry",
         scalar_metrics: Sequence[str] = DEFAULT_SCALAR_METRICS,
@@ -51,7 +52,7 @@ class LoggerRouter:
             raise ConfigurationError.invalid(
                 "scalar_layers", scalar_layers, "'focus', 'all' or a list of glob patterns"
             )
-        self.targets = tuple(targets)
+        self._targets = targets if callable(targets) else tuple(targets)
         self.prefix = prefix.rstrip("/")
         self.scalar_metrics = frozenset(scalar_metrics)
         self.scalar_layers = scalar_layers
@@ -81,6 +82,11 @@ class LoggerRouter:
                 errors.append(f"{type(target).__name__}: {type(error).__name__}: {error}")
         if errors:
             raise RuntimeError("; ".join(errors))
+
+    @property
+    def targets(self) -> tuple[Target, ...]:
+        """The targets the next write goes to."""
+        return tuple(self._targets()) if callable(self._targets) else self._targets
 
     def close(self) -> None:
         """Nothing to do: the targets belong to the trainer, which closes them."""
@@ -113,7 +119,9 @@ class LoggerRouter:
         return {f"{self.prefix}/{_key(record)}/histogram": record for record in records}
 
     def __repr__(self) -> str:
-        names = ", ".join(type(t).__name__ for t in self.targets)
+        if callable(self._targets):
+            return f"LoggerRouter(<looked up at each write>, prefix={self.prefix!r})"
+        names = ", ".join(type(t).__name__ for t in self._targets)
         return f"LoggerRouter([{names}], prefix={self.prefix!r})"
 
 

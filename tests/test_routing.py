@@ -1,0 +1,56 @@
+"""LoggerRouter: which keys reach the targets, and targets looked up at each write."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from helpers import mlp
+from torchinstruments_core import AlwaysSampler, inject_observer
+from torchinstruments_core.routing import LoggerRouter
+
+
+class Recorder:
+    """A target that keeps what it was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict[str, float], list[str], int]] = []
+
+    def log(self, scalars: Any, histograms: Any, step: int) -> None:
+        self.calls.append((dict(scalars), sorted(histograms), step))
+
+
+def test_focus_scalars_histograms_and_summaries_reach_the_target() -> None:
+    """Default routing: the focus layers' three scalars, their histograms, two summaries."""
+    target = Recorder()
+    model = mlp()
+    router = LoggerRouter([target])
+    with inject_observer(model, sampler=AlwaysSampler(), sink=router, max_histogram_modules=1):
+        model(torch.randn(2, 4)).sum().backward()
+    ((scalars, histograms, step),) = target.calls
+    assert step == 0
+    assert histograms == ["telemetry/0/output/histogram", "telemetry/0/output_gradient/histogram"]
+    assert sorted(scalars) == sorted(
+        [
+            f"telemetry/0/{s}/{m}"
+            for s in ("output", "output_gradient")
+            for m in ("rms", "max_abs", "nonfinite_fraction")
+        ]
+        + ["telemetry/nonfinite_tensors", "telemetry/collection_duration_ms"]
+    )
+
+
+def test_targets_given_as_a_function_are_looked_up_at_each_write() -> None:
+    """A trainer whose loggers appear (or close) mid-run: each write goes to the current ones."""
+    first, second = Recorder(), Recorder()
+    current: list[Recorder] = []
+    model = mlp()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=LoggerRouter(lambda: current)):
+        model(torch.randn(2, 4)).sum().backward()  # no target yet
+        current.append(first)
+        model(torch.randn(2, 4)).sum().backward()
+        current[:] = [second]
+        model(torch.randn(2, 4)).sum().backward()
+    assert [call[2] for call in first.calls] == [1]
+    assert [call[2] for call in second.calls] == [2]
