@@ -58,6 +58,17 @@ def _prepare(tensor: torch.Tensor, seed: int = 0) -> PreparedTensor:
     return PreparedTensor(tensor, torch.Generator(tensor.device).manual_seed(seed))
 
 
+def _prepare_device_path(tensor: torch.Tensor, seed: int = 0) -> PreparedTensor:
+    """A CPU tensor that takes the accelerator code path: finiteness unknown, masks everywhere.
+
+    ``all_finite`` is what tells the reducers whether host shortcuts are free; an accelerator
+    answers ``None``, and so does this tensor.
+    """
+    prepared = _prepare(tensor, seed)
+    prepared.__dict__["all_finite"] = None  # the cached_property's slot
+    return prepared
+
+
 def _as_float64(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to(torch.float64).reshape(-1).cpu().numpy()
 
@@ -333,3 +344,91 @@ def test_cuda_matches_cpu_in_deterministic_mode() -> None:
     assert torch.equal(packed.cpu(), histogram(cpu, 32))
     np.testing.assert_allclose(results[0].cpu().numpy(), moments(cpu).numpy(), rtol=1e-5, atol=1e-6)
     assert torch.equal(results[1].cpu(), quantiles(cpu, exact=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", CASES)
+def test_host_shortcuts_match_the_device_path(case: str, dtype: torch.dtype) -> None:
+    """The CPU shortcuts give the results of the masked path every accelerator runs.
+
+    Moments agree to rounding, histograms and exact quantiles bit for bit, subsampled quantiles
+    bit for bit for the same seed.
+    """
+    tensor = _make(case, dtype, numel=300_007)
+    host, device = _prepare(tensor, seed=3), _prepare_device_path(tensor, seed=3)
+    tolerance = _tolerance(dtype)
+    np.testing.assert_allclose(
+        moments(host).numpy(), moments(device).numpy(), tolerance, tolerance, equal_nan=True
+    )
+    assert torch.equal(histogram(host, 50), histogram(device, 50)) or case == "all_nan"
+    for kwargs in ({"exact": True}, {"sample_size": 4096}):
+        np.testing.assert_array_equal(
+            quantiles(host, **kwargs).numpy(), quantiles(device, **kwargs).numpy()
+        )
+
+
+def test_moments_of_millions_of_entries_are_accurate() -> None:
+    """Over 5 M float32 entries the one-pass CPU variance keeps a relative error below 1e-6."""
+    generator = torch.Generator().manual_seed(11)
+    tensor = torch.randn(5_000_000, generator=generator) * 0.02 + 0.01
+    expected = _reference_moments(_as_float64(tensor))
+    np.testing.assert_allclose(moments(_prepare(tensor)).numpy(), expected, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype"),
+    [
+        ([-3e38, 3e38, 0.0, 1e38, -1e38, 2.5e38], torch.float32),  # max - min overflows
+        ([-1e300, 1e300, 0.0, 3.0, -7e299], torch.float64),
+        ([0.0, 1e-45, 1e-45, 0.0], torch.float32),  # a subnormal range, widened by 0.5
+        ([1e7, 1e7 + 1, 1e7 + 2, 1e7 + 1], torch.float32),  # a span of a few ulps
+        ([-5.0, 5.0, *[i / 7 for i in range(-35, 36)]], torch.float32),  # many values on edges
+    ],
+)
+@pytest.mark.parametrize("bins", [1, 7, 64])
+def test_histogram_edges_hold_exactly_their_counts(
+    values: list[float], dtype: torch.dtype, bins: int
+) -> None:
+    """Extreme ranges still give finite, non-decreasing edges whose numpy counts equal ours."""
+    tensor = torch.tensor(values, dtype=dtype)
+    host, device = histogram(_prepare(tensor), bins), histogram(_prepare_device_path(tensor), bins)
+    assert torch.equal(host, device)
+    for packed in (host, device):
+        edges, counts, nonfinite = HistogramReducer(bins=bins).unpack(packed)
+        edges64 = _as_float64(edges)
+        assert np.isfinite(edges64).all()
+        assert (np.diff(edges64) >= 0).all()
+        assert edges64[0] <= tensor.min().item() <= tensor.max().item() <= edges64[-1]
+        expected, _ = np.histogram(_as_float64(tensor), bins=edges64)
+        np.testing.assert_array_equal(counts.numpy(), expected)
+        assert nonfinite.item() == 0
+
+
+def test_histogram_edges_are_even_up_to_rounding() -> None:
+    """Each edge lies within a millionth of a bin width of ``min + i * (max - min) / bins``."""
+    generator = torch.Generator().manual_seed(5)
+    tensor = torch.randn(100_000, generator=generator) * 4 - 1
+    edges = HistogramReducer(bins=64).unpack(histogram(_prepare(tensor), 64))[0]
+    nominal = np.linspace(edges[0].item(), edges[-1].item(), 65)
+    width = nominal[1] - nominal[0]
+    assert np.abs(_as_float64(edges) - nominal).max() < 1e-5 * width
+
+
+def test_subsample_positions_are_shared_within_a_sample_only() -> None:
+    """Tensors of one size share sorted positions from the cache; a new cache draws anew."""
+    cache: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+    generator = torch.Generator().manual_seed(0)
+    first = PreparedTensor(torch.randn(50_000), generator, cache).random_index(1000)
+    again = PreparedTensor(torch.randn(50_000), generator, cache).random_index(1000)
+    other_size = PreparedTensor(torch.randn(60_000), generator, cache).random_index(1000)
+    assert again is first
+    assert other_size is not first
+    assert set(cache) == {(torch.device("cpu"), 50_000, 1000), (torch.device("cpu"), 60_000, 1000)}
+    assert torch.equal(first, first.sort().values)
+    assert first.min().item() >= 0
+    assert first.max().item() < 50_000
+    cache.clear()
+    fresh = PreparedTensor(torch.randn(50_000), generator, cache).random_index(1000)
+    assert not torch.equal(fresh, first)
+    uncached = PreparedTensor(torch.randn(50_000), generator).random_index(1000)
+    assert not torch.equal(uncached, fresh)

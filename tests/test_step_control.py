@@ -108,3 +108,50 @@ def test_gradient_scale_divides_the_recorded_gradients() -> None:
     assert sink.value("0", "output", "std", sample_id=0) == sink.value(
         "0", "output", "std", sample_id=1
     )
+
+
+def test_gradient_scale_may_be_a_tensor_or_read_when_each_sample_opens() -> None:
+    """A tensor scale divides on the device; a function is called as each sample opens.
+
+    The function form is what the adapters pass: it sees a scaler's growth between the call to
+    ``set_gradient_scale`` and the sample's forward.
+    """
+    import pytest
+
+    from torchinstruments_core import ConfigurationError
+
+    model = mlp()
+    sink = RecordingSink()
+    x = torch.randn(3, 4)
+    scale = torch.tensor(512.0)
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink) as observer:
+        observer.set_gradient_scale(torch.tensor([256.0]))
+        (model(x).sum() * 256.0).backward()
+        observer.set_gradient_scale(lambda: scale)
+        scale.mul_(2)  # the scaler grew after the call: the sample must use 1024
+        (model(x).sum() * 1024.0).backward()
+        observer.set_gradient_scale(lambda: None)
+        model(x).sum().backward()
+        for bad in ("2", torch.ones(2), True):
+            with pytest.raises(ConfigurationError, match="scale="):
+                observer.set_gradient_scale(bad)  # type: ignore[arg-type]
+    for sample_id in range(3):
+        assert sink.value("2", "output_gradient", "max", sample_id=sample_id) == pytest.approx(1.0)
+
+
+def test_a_failing_scale_reader_warns_and_keeps_training() -> None:
+    """A scale function that raises is reported once; its samples record the gradients as is."""
+    import pytest
+
+    from torchinstruments_core import ObservationWarning
+
+    def broken() -> float:
+        raise RuntimeError("scaler gone")
+
+    model = mlp()
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink) as observer:
+        observer.set_gradient_scale(broken)
+        with pytest.warns(ObservationWarning, match="gradient scale could not be read"):
+            (model(torch.randn(3, 4)).sum() * 8.0).backward()
+    assert sink.value("2", "output_gradient", "max") == pytest.approx(8.0)

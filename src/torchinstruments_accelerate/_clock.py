@@ -56,23 +56,3 @@ class OptimizerClock:
         trainable = {id(p) for p in model.parameters() if p.requires_grad}
         stepped = (id(p) for group in optimizer.param_groups for p in group["params"])
         return not trainable or any(i in trainable for i in stepped)
-
-
-def upcoming_loss_scale(scaler: Any, *, before_update: bool) -> float | None:
-    """The fp16 loss scale the next backward will use (``None`` without an enabled scaler).
-
-    Accelerate calls ``scaler.update()`` right after the optimizer step, i.e. after the clock's
-    tick; the update doubles the scale every ``growth_interval`` unskipped steps, so a tick must
-    anticipate it. The growth counter comes from the scaler's public ``state_dict``.
-
-    Args:
-        scaler: ``accelerator.scaler`` (a ``torch.amp.GradScaler`` or ``None``).
-        before_update: Whether an unskipped step has run and its ``update()`` is still to come.
-    """
-    if scaler is None or not scaler.is_enabled():
-        return None
-    state = scaler.state_dict()
-    scale = float(state["scale"])
-    if before_update and state["_growth_tracker"] + 1 >= state["growth_interval"]:
-        scale *= float(state["growth_factor"])
-    return scale

@@ -12,7 +12,7 @@ from accelerate.utils import broadcast_object_list  # type: ignore[import-untype
 from torch import nn
 from typing_extensions import override
 
-from torchinstruments_accelerate._clock import OptimizerClock, upcoming_loss_scale
+from torchinstruments_accelerate._clock import OptimizerClock
 from torchinstruments_accelerate._trackers import tracker_targets
 from torchinstruments_core import ConfigurationError
 from torchinstruments_core.adapter import (
@@ -20,6 +20,7 @@ from torchinstruments_core.adapter import (
     ObserveOptions,
     RoutingOptions,
     StepSchedule,
+    loss_scale_reader,
     new_run_id,
     telemetry_sink,
 )
@@ -161,7 +162,6 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
         self._observer: Observer | None = None
         self._clock: OptimizerClock | None = None
         self._routed: Accelerator | None = None  # whose trackers receive the samples
-        self._scaler: Any = None
         self._steps = 0  # optimizer steps taken since watch()
         self._offset = 0  # the user's step minus ours, from accelerator.log(..., step=)
         self._samples_at_begin = 0
@@ -216,10 +216,13 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
             # Every process holds its sink before any creates its rank-NNN/ (at its first
             # sample); a sink created later would take that folder for an older run's.
             state.wait_for_everyone()
-        self._scaler = getattr(accelerator, "scaler", None) if self.unscale_gradients else None
+        if self.unscale_gradients:
+            # called as each sample opens: after the scaler's update() that follows a tick
+            scaler = getattr(accelerator, "scaler", None)
+            self._observer.set_gradient_scale(loss_scale_reader(scaler, state.device))
         self._steps = 0
         self._clock = OptimizerClock(model, self._on_optimizer_step)
-        self._begin(update_pending=False)
+        self._begin()
         if folder is not None and main:
             log.info("TelemetryTracker: writing the run directory to %s", folder)
         return self._observer
@@ -234,7 +237,7 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
             return
         self._offset = int(step) - self._steps
         if self._observer.samples_taken == self._samples_at_begin:
-            self._begin(update_pending=False)  # no forward of this step sampled yet: renumber it
+            self._begin()  # no forward of this step sampled yet: renumber it
 
     @override
     def finish(self) -> None:
@@ -255,14 +258,11 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
         if self._observer is not None:
             self._observer.end_step()
             self._steps += 1
-            self._begin(update_pending=True)
+            self._begin()
 
-    def _begin(self, *, update_pending: bool) -> None:
+    def _begin(self) -> None:
         assert self._observer is not None
         sampled = self.schedule.samples(self._steps)
-        if sampled:
-            scale = upcoming_loss_scale(self._scaler, before_update=update_pending)
-            self._observer.set_gradient_scale(scale)
         self._observer.begin_step(self._steps + self._offset, sample=sampled)
         self._samples_at_begin = self._observer.samples_taken
 

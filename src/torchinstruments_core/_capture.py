@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from torchinstruments_core._hooks import ForwardPatch, Hook
+from torchinstruments_core._hooks import ForwardPatch, Hook, force_eager, inert_hook, run_eagerly
 from torchinstruments_core._records import Signal
 from torchinstruments_core._sample import Sample, Site
 
@@ -39,7 +39,7 @@ class GradientSlot:
         histogram: bool,
         sentinel: object,
     ) -> None:
-        self._on_gradient = on_gradient
+        self._on_gradient = run_eagerly(on_gradient)
         self.sample = sample
         self.site = site
         self.histogram = histogram
@@ -78,14 +78,16 @@ class Attachment:
     ) -> None:
         self._model: nn.Module | None = model
         self._layers = [layer for layer in layers if layer.module is not model]
-        self._on_enter = on_enter
-        self._on_exit = on_exit
-        self._on_output = on_output
+        # compiled code calls these as they are: a graph break, never a trace of the observer
+        self._on_enter = run_eagerly(on_enter)
+        self._on_exit = run_eagerly(on_exit)
+        self._on_output = run_eagerly(on_output)
         self._direct = direct
         self._handles: list[RemovableHandle] = []
         self._armed: list[RemovableHandle] = []
         self._patched: list[tuple[nn.Module, ForwardPatch]] = []
         self.armed = False
+        self._restore_stance: Callable[[], None] = inert_hook  # set by arm()
         self._layer_hooks = [
             Hook(functools.partial(self._layer_hook, layer)) for layer in self._layers
         ]
@@ -131,8 +133,15 @@ class Attachment:
         self._layer_hooks = []
 
     def arm(self) -> None:
-        """Register the per-module hooks for the sampled forward that starts now."""
+        """Register the per-module hooks for the sampled forward that starts now.
+
+        Until ``disarm``, compiled code runs as plain Python, so a compiled model's sampled
+        forward fires the hooks without a graph of its own (``force_eager``).
+        """
+        if self.armed:
+            return
         self.armed = True
+        self._restore_stance = force_eager()
         if self._direct:
             return
         for layer, hook in zip(self._layers, self._layer_hooks, strict=True):
@@ -140,10 +149,13 @@ class Attachment:
 
     def disarm(self) -> None:
         """Remove the per-module hooks; the next unsampled forward runs none."""
+        if not self.armed:
+            return
         self.armed = False
         for handle in self._armed:
             handle.remove()
         self._armed.clear()
+        self._restore_stance()
 
     def _layer_hook(self, layer: Layer, _module: nn.Module, _args: Any, output: Any) -> None:
         self._on_output(layer, output)

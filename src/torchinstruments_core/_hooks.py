@@ -1,17 +1,57 @@
-"""Hook objects that stay behind when a model is copied or pickled while observed.
+"""Hook objects that stay behind when a model is copied or pickled, and that compile as calls.
 
 A model's hook dictionaries travel with ``copy.deepcopy`` and ``torch.save(model)``. A plain bound
 method would drag the whole observer (and its sink) into the copy, and the copy would then report
 into the original run. These hooks copy and pickle as ``inert_hook``, a no-op: the copy is not
 observed and the original keeps its observer.
+
+Under ``torch.compile`` the hooks are never traced: a compiled region that reaches one calls it
+as plain Python. A sampled forward runs as plain Python altogether (``force_eager``), so every
+module hook fires on real tensors, and the compiled graphs of unsampled forwards stay as they were.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, SupportsIndex
+import functools
+from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+F = TypeVar("F", bound="Callable[..., Any]")
+
+
+def run_eagerly(function: F) -> F:
+    """``function``, called as is from compiled code instead of being traced into its graph.
+
+    The observer's hooks do bookkeeping and reductions that have no place in a graph; traced,
+    they would break it at every ``.item()`` and guard on the observer's state.
+    """
+    import torch
+
+    return torch.compiler.disable(function)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def _nothing() -> None:
+    return None
+
+
+def force_eager() -> Callable[[], None]:
+    """Run compiled functions as plain Python until the returned function is called.
+
+    ``torch.compiler.set_stance("force_eager")`` (torch 2.6 and later) makes a sampled forward
+    take the model's own Python code, where the per-module hooks fire, without compiling a
+    variant of the graph with the hooks in it; the unsampled forwards keep the compiled graph.
+    Older torch has no stances: the returned function does nothing, and compiled code traces
+    up to each hook, breaking its graph there (see the README).
+    """
+    import torch
+
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return _nothing
+    stance = set_stance("force_eager")  # takes effect now; __exit__ restores the previous one
+    return functools.partial(stance.__exit__, None, None, None)
 
 
 def inert_hook(*args: object) -> None:
@@ -27,8 +67,11 @@ class Hook:
     def __init__(self, function: Callable[..., Any]) -> None:
         self._function = function
 
-    def __call__(self, *args: Any) -> Any:
+    def _call(self, *args: Any) -> Any:
         return self._function(*args)
+
+    # compiled code calls the hook as it is; traced, it would inspect the observer's state
+    __call__ = run_eagerly(_call)
 
     def __deepcopy__(self, memo: dict[int, object]) -> Callable[..., None]:
         return inert_hook

@@ -92,11 +92,20 @@ class Measurer:
         self.metrics = tuple(m for r in self.reducers for m in r.metrics)
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._index_cache: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+    def new_sample(self) -> None:
+        """Forget the subsample positions of the previous sample; the next one draws its own."""
+        self._index_cache.clear()
 
     def measure(
-        self, tensor: torch.Tensor, *, with_histogram: bool, scale: float | None = None
+        self,
+        tensor: torch.Tensor,
+        *,
+        with_histogram: bool,
+        scale: float | torch.Tensor | None = None,
     ) -> Measurement:
-        """Reduce ``tensor`` (divided by ``scale`` when given) with every reducer.
+        """Reduce ``tensor`` (divided by ``scale`` when given, on the tensor's device).
 
         The histogram is computed too when ``with_histogram`` is set.
         """
@@ -105,8 +114,11 @@ class Measurer:
             return Measurement(reason=reason, metrics=self.metrics)
         with torch.no_grad(), _autocast_off(tensor.device):
             if scale is not None:  # in the working dtype: fp16 would underflow
-                tensor = tensor.detach().to(working_dtype(tensor.dtype)) / scale
-            prepared = PreparedTensor(tensor, self._generator(tensor.device))
+                dtype = working_dtype(tensor.dtype)
+                if isinstance(scale, torch.Tensor):  # never read on the host: no device sync
+                    scale = scale.detach().reshape(()).to(tensor.device, dtype, non_blocking=True)
+                tensor = tensor.detach().to(dtype) / scale
+            prepared = PreparedTensor(tensor, self._generator(tensor.device), self._index_cache)
             measurement = Measurement(None, self.metrics, n_finite=prepared.n_finite)
             for reducer in self.reducers:
                 measurement.results.append(self._run(reducer, prepared, measurement))

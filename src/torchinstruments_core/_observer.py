@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     import torch
+
+    GradientScale = float | torch.Tensor | Callable[[], float | torch.Tensor | None] | None
     from torch import nn
 
     from torchinstruments_core._layers import Layer
@@ -56,6 +58,13 @@ class _StepPlan:
 _IDLE = _StepPlan(step=None, sample=False)
 _REDUCER_CONSEQUENCE = "the values it could not compute are recorded as unavailable"
 _SINK_CONSEQUENCE = "what the sink did not take is lost"
+_SCALE_CONSEQUENCE = "this sample records its gradients as they are, still scaled"
+
+
+def _is_scale(value: object) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor) and value.numel() == 1
 
 
 class _Sentinel:
@@ -100,7 +109,7 @@ class Observer:
         self._active: Sample | None = None
         self._plan: _StepPlan | None = None
         self._explicit = False
-        self._gradient_scale: float | None = None
+        self._gradient_scale: GradientScale = None
         self._pending: dict[int, Sample] = {}
         self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
         self._in_flight: collections.deque[tuple[Sample, HostTransfer]] = collections.deque()
@@ -149,8 +158,16 @@ class Observer:
         Every root forward until ``end_step`` is sampled when ``sample`` is true (all micro-batches
         of an accumulated step), and none is otherwise. Once an adapter calls this, the sampler is
         no longer consulted: forwards outside ``begin_step``/``end_step`` are not sampled.
+
+        A sampled step arms the per-module hooks now, before its first forward, and keeps them
+        until ``end_step``: a compiled model then runs the whole step as plain Python (see
+        ``force_eager``) instead of compiling a variant of its graph with the hooks in it.
         """
         self._plan = _StepPlan(step=step, sample=sample)
+        if sample and not self._removed:
+            self._resolve_rank()
+            if self._enabled:
+                self._attachment.arm()
 
     def open_sample(self, step: int | None = None) -> bool:
         """Start a sample now, without waiting for a root forward.
@@ -182,16 +199,47 @@ class Observer:
         if explicit:
             self._end_forward(failed=False)
 
-    def set_gradient_scale(self, scale: float | None) -> None:
+    def set_gradient_scale(self, scale: GradientScale) -> None:
         """Report gradients divided by ``scale`` in the samples opened from now on.
 
         Under fp16 mixed precision the loss is multiplied by a loss scale before the backward,
-        so every gradient is too; an adapter passes the scaler's current scale so that the
-        recorded gradients are the unscaled ones. ``None`` (the default) records them as they are.
+        so every gradient is too; an adapter passes the scaler's scale so that the recorded
+        gradients are the unscaled ones. ``None`` (the default) records them as they are.
+
+        Args:
+            scale: A number; a one-element tensor, on any device, that the gradients are divided
+                by on their device, so nothing waits for the device to read it (a GPU scaler's
+                scale is such a tensor: ``scaler.scale(torch.ones((), device=device))``); a
+                function returning either (or ``None``), called when each sample opens, so it
+                sees the scale of that step's backward even if the scaler changes it after this
+                call; or ``None``.
+
+        Raises:
+            ConfigurationError: If ``scale`` is a number that is not finite and positive, or of
+                another type.
         """
-        if scale is not None and not (math.isfinite(scale) and scale > 0):
+        if isinstance(scale, bool) or not (
+            scale is None or callable(scale) or _is_scale(scale) or isinstance(scale, int | float)
+        ):
+            raise ConfigurationError.invalid(
+                "scale", scale, "a number, a one-element tensor, a function returning one, or None"
+            )
+        if isinstance(scale, int | float) and not (math.isfinite(scale) and scale > 0):
             raise ConfigurationError.invalid("scale", scale, "a finite number > 0, or None")
         self._gradient_scale = scale
+
+    def _current_gradient_scale(self) -> float | torch.Tensor | None:
+        scale = self._gradient_scale
+        if not callable(scale):
+            return scale
+        try:
+            value = scale()
+        except Exception as error:  # an adapter's scale reader must never break the forward
+            self._failed(
+                "the gradient scale could not be read", error, "gradient-scale", _SCALE_CONSEQUENCE
+            )
+            return None
+        return value
 
     def end_step(self) -> None:
         """Announce that the current step has ended: its samples close and go to the sink.
@@ -199,6 +247,8 @@ class Observer:
         Until the next ``begin_step`` no root forward is sampled.
         """
         plan, self._plan = self._plan, _IDLE
+        if self._active is None:
+            self._attachment.disarm()
         if plan is None or plan.step is None:
             return
         for sample in [s for s in self._pending.values() if s.step == plan.step]:
@@ -292,7 +342,9 @@ class Observer:
         started = time.perf_counter()
         self._drain(wait=False)
         self._open_sink()
-        sample = Sample(self._next_sample_id, step, time.time(), self._gradient_scale)
+        self._config.measurer.new_sample()
+        scale = self._current_gradient_scale()
+        sample = Sample(self._next_sample_id, step, time.time(), scale)
         self._next_sample_id += 1
         sentinel = _Sentinel()
         sample.sentinel = sentinel
@@ -317,7 +369,8 @@ class Observer:
         sample, self._active = self._active, None
         if sample is None:
             return
-        self._attachment.disarm()
+        if self._plan is None or not self._plan.sample:
+            self._attachment.disarm()  # a sampled step keeps them for its next micro-batch
         if sample.expects_gradients and not failed:
             self._pending[sample.sample_id] = sample
             sample.sentinel = None  # from now on only the graph keeps it alive
@@ -440,7 +493,11 @@ class Observer:
     # -- failures -----------------------------------------------------------------------------
 
     def _measure(
-        self, tensor: torch.Tensor, site: Site, histogram: bool, scale: float | None = None
+        self,
+        tensor: torch.Tensor,
+        site: Site,
+        histogram: bool,
+        scale: float | torch.Tensor | None = None,
     ) -> Measurement:
         measurement = self._config.measurer.measure(tensor, with_histogram=histogram, scale=scale)
         for error in measurement.errors:

@@ -44,7 +44,11 @@ class Sample:
     """The open state of one sample. Thread-safe: gradients may arrive on autograd threads."""
 
     def __init__(
-        self, sample_id: int, step: int | None, timestamp: float, gradient_scale: float | None
+        self,
+        sample_id: int,
+        step: int | None,
+        timestamp: float,
+        gradient_scale: float | torch.Tensor | None,
     ) -> None:
         self.sample_id = sample_id
         self.step = step

@@ -8,7 +8,9 @@ behave alike.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from torchinstruments_core._config import (
     ErrorPolicy,
@@ -148,3 +150,24 @@ def telemetry_sink(
             )
         )
     return MultiSink(sinks)
+
+
+def loss_scale_reader(scaler: Any, device: torch.device) -> Callable[[], torch.Tensor] | None:
+    """A function that returns the fp16 loss scale as a tensor on ``device``, for gradients.
+
+    Pass it to ``Observer.set_gradient_scale``: it is called when a sample opens and returns
+    ``scaler.scale(1)``, the scale as a device tensor, through the scaler's public API. Nothing
+    waits for the device (``scaler.get_scale()`` would), and the value is the one the sample's
+    backward uses even when the scaler grows or backs off after the optimizer step.
+
+    Args:
+        scaler: A ``torch.amp.GradScaler`` (or the older ``torch.cuda.amp`` one), or ``None``.
+        device: Where the model's gradients are.
+
+    Returns:
+        The reader, or ``None`` without an enabled scaler (bf16 and fp32 need no unscaling).
+    """
+    if scaler is None or not scaler.is_enabled():
+        return None
+    one = torch.ones((), device=device)
+    return lambda: scaler.scale(one)

@@ -14,6 +14,7 @@ from torchinstruments_core.adapter import (
     ObserveOptions,
     RoutingOptions,
     StepSchedule,
+    loss_scale_reader,
     new_run_id,
     telemetry_sink,
 )
@@ -177,7 +178,9 @@ class TelemetryMonitor(Callback):
         # submodules, so samples are opened explicitly and root forwards never sample by themselves.
         self._observer.begin_step(step, sample=False)
         if self.schedule.samples(step):
-            self._observer.set_gradient_scale(self._loss_scale(trainer))
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            reader = loss_scale_reader(scaler, pl_module.device) if self.unscale_gradients else None
+            self._observer.set_gradient_scale(reader)
             self._observer.open_sample(step)
 
     @override
@@ -299,9 +302,3 @@ class TelemetryMonitor(Callback):
         if observer is not None:
             self._resumed = {"samples_taken": observer.samples_taken, "run_id": observer.run_id}
             observer.remove()
-
-    def _loss_scale(self, trainer: pl.Trainer) -> float | None:
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if not self.unscale_gradients or scaler is None or not scaler.is_enabled():
-            return None
-        return float(scaler.get_scale())

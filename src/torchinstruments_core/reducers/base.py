@@ -3,16 +3,20 @@
 A reducer never leaves the device: no ``.item()``, no ``.cpu()``. It returns a 1-D tensor with one
 entry per name in ``metrics``, in the working dtype, and NaN for a value it cannot define (the
 engine turns NaN into a null with a reason). ``PreparedTensor`` holds the work shared between
-reducers (the flattened working-dtype copy, the finite mask and its count), computed at most once
-per tensor.
+reducers (the flattened working-dtype copy, its sum, the finite mask and count, the finite range),
+computed at most once per tensor.
 """
 
 from __future__ import annotations
 
+import math
 from functools import cached_property
 from typing import Protocol, runtime_checkable
 
 import torch
+
+CHUNK_SIZE = 2**22
+"""Elements per chunk: 16 MiB of float32 temporaries at most, and exact float32 chunk counts."""
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -28,18 +32,49 @@ class PreparedTensor:
             modified.
         generator: Random source for subsampling, on the tensor's device. A private generator keeps
             the model's own random stream untouched.
+        index_cache: Where ``random_index`` keeps its draws, shared by the tensors of one sample
+            (the engine clears it when a sample starts); ``None`` draws anew every time.
     """
 
-    def __init__(self, tensor: torch.Tensor, generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        generator: torch.Generator,
+        index_cache: dict[tuple[torch.device, int, int], torch.Tensor] | None = None,
+    ) -> None:
         self.source_dtype = tensor.dtype
         self.values = tensor.detach().reshape(-1).to(working_dtype(tensor.dtype))
         self.numel = self.values.numel()
         self.generator = generator
+        self._index_cache = index_cache
+
+    def random_index(self, size: int) -> torch.Tensor:
+        """``size`` uniform positions in ``[0, numel)``, drawn with replacement from ``generator``.
+
+        Tensors of the same sample and the same ``numel`` share one draw: each tensor's subsample
+        is still uniform and independent of its values, which is all an error bound needs, and a
+        step draws once per tensor size instead of once per tensor. The positions come sorted, so
+        gathering them walks memory forward (4-5x faster on the CPU than random order).
+        """
+        key = (self.device, self.numel, size)
+        cached = None if self._index_cache is None else self._index_cache.get(key)
+        if cached is not None:
+            return cached
+        index = torch.randint(self.numel, (size,), generator=self.generator, device=self.device)
+        index = index.sort().values
+        if self._index_cache is not None:
+            self._index_cache[key] = index
+        return index
 
     @property
     def device(self) -> torch.device:
         """Device the tensor and every reduction live on."""
         return self.values.device
+
+    @cached_property
+    def total(self) -> torch.Tensor:
+        """Sum of all entries in the working dtype; not finite when any entry is not."""
+        return self.values.sum()
 
     @cached_property
     def finite(self) -> torch.Tensor:
@@ -49,18 +84,42 @@ class PreparedTensor:
     @cached_property
     def n_finite(self) -> torch.Tensor:
         """Number of finite entries, a 0-d int64 tensor (exact past 2**24 elements)."""
+        if self.all_finite:
+            return torch.full((), self.numel, dtype=torch.int64, device=self.device)
         return torch.count_nonzero(self.finite)
 
     @cached_property
     def all_finite(self) -> bool | None:
         """Whether every entry is finite, when that is free to know (CPU); ``None`` on accelerators.
 
-        Asking an accelerator would synchronize the host with the device, so reducers there take
-        the masked path instead.
+        On the CPU a finite sum proves every entry finite (a NaN or an infinity makes the sum NaN
+        or infinite) at the cost of one vectorized pass; only a sum that is not finite, from a
+        non-finite entry or from overflow, pays for the finite mask. Asking an accelerator would
+        synchronize the host with the device, so reducers there take the masked path instead.
         """
         if self.device.type != "cpu":
             return None
-        return bool(self.n_finite == self.numel)
+        if math.isfinite(self.total):
+            return True
+        return bool(torch.count_nonzero(self.finite) == self.numel)
+
+    @cached_property
+    def finite_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Min and max of the finite entries, 0-d tensors; ``(inf, -inf)`` when there are none.
+
+        Masked work goes chunk by chunk, so its temporaries stay within ``CHUNK_SIZE`` entries.
+        """
+        if self.all_finite:
+            lo, hi = torch.aminmax(self.values)
+            return lo, hi
+        los: list[torch.Tensor] = []
+        his: list[torch.Tensor] = []
+        for start in range(0, self.numel, CHUNK_SIZE):
+            chunk = self.values[start : start + CHUNK_SIZE]
+            mask = self.finite[start : start + CHUNK_SIZE]
+            los.append(torch.where(mask, chunk, math.inf).amin())
+            his.append(torch.where(mask, chunk, -math.inf).amax())
+        return torch.stack(los).amin(), torch.stack(his).amax()
 
 
 @runtime_checkable

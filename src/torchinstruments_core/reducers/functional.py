@@ -13,15 +13,15 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
+
+from torchinstruments_core.reducers.base import CHUNK_SIZE
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
     from torchinstruments_core.reducers.base import PreparedTensor
-
-CHUNK_SIZE = 2**22
-"""Elements per chunk: 16 MiB of float32 temporaries at most, and exact float32 chunk counts."""
 
 HISTOGRAM_CHUNK_SIZE = CHUNK_SIZE // 4
 """Binning holds about four chunk-sized temporaries, so its chunks are a quarter as long."""
@@ -42,13 +42,11 @@ DEFAULT_QUANTILES = (0.25, 0.5, 0.75)
 
 
 class _Partial(NamedTuple):
-    """Statistics of the ``size`` finite entries of a chunk; mean, lo and hi are 0 if none."""
+    """Count, mean and sum of squared deviations of a chunk's finite entries; mean 0 if none."""
 
     size: torch.Tensor
     mean: torch.Tensor
     m2: torch.Tensor
-    lo: torch.Tensor
-    hi: torch.Tensor
 
 
 def _chunks(
@@ -63,47 +61,106 @@ def _chunks(
         yield prepared.values[start:stop], None if mask is None else mask[start:stop]
 
 
+_SQUARES_BLOCK = 2**17
+"""Entries per dot product in ``_sum_of_squares``: float32 accumulation stays within ~1e-7."""
+
+_CONDITIONING = 16.0
+"""``sum(x**2) - n * mean**2`` is used for the variance only where ``mean**2 <= 16 * variance``."""
+
+
+def _sum_of_squares(chunk: torch.Tensor) -> float:
+    """The sum of squares of a CPU tensor, in float64, from blocked BLAS dot products.
+
+    One dot product over millions of float32 entries loses ~1e-5 to its float32 accumulators;
+    blocks of ``_SQUARES_BLOCK`` keep each partial accurate and add them in float64.
+    """
+    total = 0.0
+    for start in range(0, chunk.numel(), _SQUARES_BLOCK):
+        block = chunk[start : start + _SQUARES_BLOCK]
+        total += torch.dot(block, block).item()
+    return total
+
+
+def _host_moments(prepared: PreparedTensor, chunk_size: int) -> torch.Tensor | None:
+    """``moments`` of an all-finite CPU tensor, in Python floats; ``None`` if its sum overflowed.
+
+    ``M2 = sum(x**2) - sum(x) * mean`` costs one fast blocked dot product instead of a pass that
+    writes the deviations and two that read them, and is accurate to ~1e-6 where the mean is not
+    large against the spread; elsewhere (``mean**2 > 16 * variance``) the squared deviations
+    from the mean are summed chunk by chunk. The eight values become one tensor at the end
+    instead of passing through a dozen scalar kernels.
+    """
+    count = prepared.numel
+    total = float(prepared.total)
+    if not math.isfinite(total):
+        return None
+    mean = total / count
+    m2 = _sum_of_squares(prepared.values) - total * mean
+    if not (math.isfinite(m2) and m2 > 0.0 and mean * mean * count <= _CONDITIONING * m2):
+        # shift by the mean rounded to the working dtype, then correct for the rounding
+        shift = float(torch.tensor(mean, dtype=prepared.values.dtype))
+        squares = sum(
+            float((chunk - shift).square_().sum()) for chunk, _ in _chunks(prepared, chunk_size)
+        )
+        m2 = max(squares - count * (mean - shift) ** 2, 0.0)
+    zeros = sum(_zero_count(chunk) for chunk, _ in _chunks(prepared, chunk_size))
+    lo, hi = (float(bound) for bound in prepared.finite_range)
+    variance = m2 / count
+    values = [
+        mean,
+        math.sqrt(variance),
+        lo,
+        hi,
+        zeros / count,
+        0.0,
+        math.sqrt(variance + mean * mean),
+        max(abs(lo), abs(hi)),
+    ]
+    return torch.tensor(values, dtype=prepared.values.dtype)
+
+
 def _chunk_partial(chunk: torch.Tensor, mask: torch.Tensor | None) -> _Partial:
-    """First pass: count and mean; second pass: min, max and the sum of squared deviations."""
+    """First pass: count and mean; second: the sum of squared deviations."""
     if mask is None:
         count = torch.full((), chunk.numel(), dtype=torch.int64, device=chunk.device)
         mean = chunk.sum() / chunk.numel()
         deviations = chunk - mean
-        lo, hi = torch.aminmax(chunk)
     else:
         count = torch.count_nonzero(mask)
         # clamp keeps an empty chunk at mean 0 instead of NaN, so the combination can skip it
         mean = torch.where(mask, chunk, 0).sum() / count.clamp(min=1)
-        # non-finite entries take the mean's place: a zero deviation, and never the min or max
-        deviations = torch.where(mask, chunk, mean)
-        lo, hi = torch.aminmax(deviations)
-        deviations.sub_(mean)
-    return _Partial(count, mean, deviations.square_().sum(), lo, hi)
+        # non-finite entries take the mean's place: a zero deviation
+        deviations = torch.where(mask, chunk, mean).sub_(mean)
+    return _Partial(count, mean, deviations.square_().sum())
 
 
 def _combine(partials: Sequence[_Partial]) -> _Partial:
-    """Chan et al.'s parallel formula over all chunks at once; the result has NaNs when empty.
+    """Chan et al.'s parallel formula over all chunks at once; mean and m2 are NaN when empty.
 
     ``M2 = sum(M2_i) + sum(n_i * (mean_i - mean)**2)``; a single chunk passes through exactly
     (its weight is ``n / n == 1``).
     """
-    counts, means, m2s, los, his = (torch.stack(column) for column in zip(*partials, strict=True))
+    if len(partials) == 1:
+        size, mean, m2 = partials[0]
+        present = size > 0
+        return _Partial(size, torch.where(present, mean, math.nan), m2)
+    counts, means, m2s = (torch.stack(column) for column in zip(*partials, strict=True))
     total = counts.sum()
     present = total > 0
     sizes = counts.to(means.dtype)
     mean = (sizes / total.clamp(min=1).to(means.dtype) * means).sum()
     m2 = m2s.sum() + (sizes * (means - mean).square()).sum()
-    nonempty = counts > 0
-    lo = torch.where(nonempty, los, math.inf).amin()
-    hi = torch.where(nonempty, his, -math.inf).amax()
-    nan = math.nan
-    return _Partial(
-        total,
-        torch.where(present, mean, nan),
-        torch.where(present, m2, nan),
-        torch.where(present, lo, nan),
-        torch.where(present, hi, nan),
-    )
+    return _Partial(total, torch.where(present, mean, math.nan), torch.where(present, m2, math.nan))
+
+
+def _zero_count(chunk: torch.Tensor) -> torch.Tensor | int:
+    """How many entries equal zero (NaN does not)."""
+    if chunk.device.type == "cpu":
+        # numpy compares and counts with SIMD; torch.count_nonzero branches on every entry on the
+        # CPU and is 3 to 20 times slower, the most where zeros and nonzeros mix (ReLU, dropout)
+        return int(np.count_nonzero(chunk.numpy() == 0))
+    # count_nonzero needs no temporary, and counts NaN as nonzero as it should
+    return chunk.numel() - torch.count_nonzero(chunk)
 
 
 def moments(prepared: PreparedTensor, *, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
@@ -112,6 +169,9 @@ def moments(prepared: PreparedTensor, *, chunk_size: int = CHUNK_SIZE) -> torch.
     The variance is computed per chunk in two passes (mean, then squared deviations) and the
     chunks are combined with Chan et al.'s parallel formula, so it stays accurate when the mean is
     large against the spread. Counts are int64 and only become floating point in the last division.
+    On the CPU an all-finite tensor (the common case, known from its sum) skips every mask, and
+    where the mean is not large against the spread the squared deviations come from one blocked
+    dot product: four fast passes (sum, min and max, squares, zeros) in all.
 
     Args:
         prepared: The tensor to reduce.
@@ -123,26 +183,30 @@ def moments(prepared: PreparedTensor, *, chunk_size: int = CHUNK_SIZE) -> torch.
         rms, max_abs. The fractions are over all entries (NaN is not a zero); the rest are over the
         finite entries, and NaN when there are none.
     """
+    if prepared.all_finite:  # only ever true on the CPU
+        host = _host_moments(prepared, chunk_size)
+        if host is not None:
+            return host
     dtype = prepared.values.dtype
     partials: list[_Partial] = []
     zeros = torch.zeros((), dtype=torch.int64, device=prepared.device)
     for chunk, mask in _chunks(prepared, chunk_size):
         partials.append(_chunk_partial(chunk, mask))
-        # count_nonzero needs no temporary, and counts NaN as nonzero as it should
-        zeros += chunk.numel() - torch.count_nonzero(chunk)
-    total = _combine(partials)
-    variance = total.m2 / total.size.to(dtype)
-    nonfinite = prepared.numel - prepared.n_finite
+        zeros += _zero_count(chunk)
+    size, mean, m2 = _combine(partials)
+    variance = m2 / size.to(dtype)
+    present = size > 0
+    lo, hi = (torch.where(present, bound, math.nan) for bound in prepared.finite_range)
     return torch.stack(
         [
-            total.mean,
+            mean,
             variance.sqrt(),
-            total.lo,
-            total.hi,
+            lo,
+            hi,
             zeros.to(dtype) / prepared.numel,
-            nonfinite.to(dtype) / prepared.numel,
-            (variance + total.mean.square()).sqrt(),
-            torch.maximum(total.lo.abs(), total.hi.abs()),
+            (prepared.numel - prepared.n_finite).to(dtype) / prepared.numel,
+            (variance + mean.square()).sqrt(),
+            torch.maximum(lo.abs(), hi.abs()),
         ]
     )
 
@@ -161,13 +225,7 @@ def _quantile_sample(
     """The entries to take quantiles of, and their finite mask (``None`` when all are finite)."""
     if exact or prepared.numel <= sample_size:
         return prepared.values, None if prepared.all_finite else prepared.finite
-    index = torch.randint(
-        prepared.numel,
-        (sample_size,),
-        generator=prepared.generator,
-        device=prepared.device,
-    )
-    sample = prepared.values[index]
+    sample = prepared.values.index_select(0, prepared.random_index(sample_size))
     return sample, None if prepared.all_finite else torch.isfinite(sample)
 
 
@@ -228,6 +286,8 @@ def quantiles(
     """
     _check_quantile_args(qs, sample_size)
     sample, mask = _quantile_sample(prepared, sample_size, exact)
+    if mask is None and prepared.all_finite:  # only ever true on the CPU
+        return _host_quantiles(_sort(sample), qs)
     if mask is None:
         n_finite = torch.full((), sample.numel(), dtype=torch.int64, device=sample.device)
         keyed = sample
@@ -237,66 +297,172 @@ def quantiles(
     return _interpolate(_sort(keyed), n_finite, qs)
 
 
+def _host_quantiles(ordered: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
+    """``_interpolate`` of a sorted, all-finite CPU tensor, with the positions in Python.
+
+    The same floats as ``_interpolate`` (float64 positions, the lerp in the working dtype),
+    without its dozen small kernels per tensor.
+    """
+    values = ordered.numpy()
+    last = values.size - 1
+    result = []
+    for q in qs:
+        position = last * q
+        below = min(math.floor(position), last)
+        gamma = values.dtype.type(position - below)
+        low, high = values[below], values[min(below + 1, last)]
+        span = high - low
+        result.append(high - span * (1 - gamma) if gamma >= 0.5 else low + span * gamma)
+    return torch.tensor(result, dtype=ordered.dtype)
+
+
 def _sort(values: torch.Tensor) -> torch.Tensor:
     """Ascending sort; on the CPU through numpy, whose vectorized sort is 20-30x faster."""
     if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64):
-        import numpy as np
-
         return torch.from_numpy(np.sort(values.contiguous().numpy()))
     return torch.sort(values).values
 
 
-def _finite_range(prepared: PreparedTensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min and max of the finite entries; ``(inf, -inf)`` when there are none."""
-    los: list[torch.Tensor] = []
-    his: list[torch.Tensor] = []
-    for chunk, mask in _chunks(prepared, chunk_size):
-        if mask is None:
-            lo, hi = torch.aminmax(chunk)
-        else:
-            lo = torch.where(mask, chunk, math.inf).amin()
-            hi = torch.where(mask, chunk, -math.inf).amax()
-        los.append(lo)
-        his.append(hi)
-    return torch.stack(los).amin(), torch.stack(his).amax()
-
-
 class _Grid(NamedTuple):
-    """Evenly spaced bins: edge ``i`` is ``lo + span * (i / bins)``, the last one exactly ``hi``."""
+    """The bins over ``[lo, hi]``: an entry ``x`` goes to bin ``bin_of(x)``.
+
+    ``bin_of`` is ``(x / 2 - lo / 2) * scale`` truncated, with the top value ``bins`` (reached only
+    by the max, up to rounding) folded into the last bin. Halves cannot overflow where
+    ``hi - lo`` would, and close values subtract exactly. Each rounded operation is
+    non-decreasing, so ``bin_of`` is too, and its thresholds (the first float that reaches each
+    bin) are the edges: bin ``i`` holds exactly the entries in ``[edge_i, edge_i+1)`` without
+    comparing any entry to an edge. Every device runs the same operations, so CPU and CUDA give
+    the same bins.
+    """
 
     lo: torch.Tensor
-    span: torch.Tensor
     hi: torch.Tensor
+    half_lo: torch.Tensor
+    half_span: torch.Tensor
+    scale: torch.Tensor
     bins: int
 
-    def edge(self, steps: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Edges at float ``steps``, in ``out`` if given (it may be ``steps``).
+    def offset(self, values: torch.Tensor) -> torch.Tensor:
+        """``bin_of`` before truncation and folding: a float in ``[0, bins]`` for finite entries."""
+        return torch.mul(values, 0.5).sub_(self.half_lo).mul_(self.scale)
 
-        The operations are those that made ``edges``, so the floats are equal.
-        """
-        return torch.div(steps, self.bins, out=out).mul_(self.span).add_(self.lo)
+    def bin_of(self, values: torch.Tensor) -> torch.Tensor:
+        """The bin of each entry as a float whose integer part is the bin (compare with ints)."""
+        return self.offset(values).clamp_(0, self.bins - 1)
+
+    def nominal(self, steps: torch.Tensor) -> torch.Tensor:
+        """``lo + (hi - lo) * steps / bins``, the evenly spaced edges before rounding."""
+        return (self.half_lo + self.half_span * (steps / self.bins)) * 2
 
 
 def _grid(lo: torch.Tensor, hi: torch.Tensor, bins: int) -> _Grid:
-    """The grid over ``[lo, hi]``, widened around a single value so that every bin has width."""
-    # 0.5 as asked for, or one relative epsilon where |v| is too large for 0.5 to change v
-    pad = torch.where(lo == hi, (lo.abs() * torch.finfo(lo.dtype).eps).clamp(min=0.5), 0)
+    """The grid over ``[lo, hi]``, widened when too narrow for ``bins`` bins of finite width."""
+    finfo = torch.finfo(lo.dtype)
+    # a constant tensor, or a range so small that bins / span would overflow: widen by 0.5 as
+    # documented, or by one relative epsilon where |v| is too large for 0.5 to change v
+    narrow = (hi - lo) < 4 * bins / finfo.max
+    width = torch.maximum(lo.abs(), hi.abs()) * finfo.eps
+    pad = torch.where(narrow, width.clamp(min=0.5), 0)
     lo, hi = lo - pad, hi + pad
-    return _Grid(lo, hi - lo, hi, bins)
+    half_lo = lo * 0.5
+    half_span = hi * 0.5 - half_lo
+    return _Grid(lo, hi, half_lo, half_span, bins / half_span, bins)
 
 
-def _edges(grid: _Grid, n_finite: torch.Tensor) -> torch.Tensor:
-    """The ``bins + 1`` edges of the grid; NaN when there is no finite value."""
-    steps = torch.arange(grid.bins + 1, dtype=grid.lo.dtype, device=grid.lo.device)
-    edges = grid.edge(steps)
-    edges[-1] = grid.hi
+def _float_keys(values: torch.Tensor) -> torch.Tensor:
+    """int64 keys in the order of the floats: ``a < b`` exactly when ``key(a) < key(b)``."""
+    bits = values.view(torch.int32 if values.dtype == torch.float32 else torch.int64).long()
+    magnitude = bits & (0x7FFFFFFF if values.dtype == torch.float32 else 0x7FFFFFFFFFFFFFFF)
+    return torch.where(bits < 0, -magnitude, bits)
+
+
+def _keys_to_floats(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The floats of ``_float_keys`` (``-0.0`` comes back as ``0.0``)."""
+    # a negative float's bits are its magnitude with the sign bit set
+    if dtype == torch.float32:
+        return torch.where(keys < 0, -keys - 2**31, keys).int().view(torch.float32)
+    return torch.where(keys < 0, -keys | -(2**63), keys).view(torch.float64)
+
+
+_WAY_BITS = 8
+_WAYS = 2**_WAY_BITS
+"""Keys probed per step of the edge search: each step shrinks the bracket 256-fold."""
+
+
+def _search_step(
+    grid: _Grid, targets: torch.Tensor, low: torch.Tensor, high: torch.Tensor, *, halve: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the edge search: the bracket halved, or cut into ``_WAYS`` parts."""
+    dtype = grid.lo.dtype
+    if halve:
+        middle = (low >> 1) + (high >> 1) + (low & high & 1)  # floor((low + high) / 2), exact
+        up = grid.bin_of(_keys_to_floats(middle, dtype)) >= targets
+        return torch.where(up, low, middle), torch.where(up, middle, high)
+    fractions = torch.arange(1, _WAYS, device=targets.device)
+    inner = low.unsqueeze(1) + (((high - low).unsqueeze(1) * fractions) >> _WAY_BITS)
+    up = grid.bin_of(_keys_to_floats(inner, dtype)) >= targets.unsqueeze(1)
+    below = (~up).sum(dim=1, keepdim=True)  # the probes short of the target
+    probes = torch.cat([low.unsqueeze(1), inner, high.unsqueeze(1)], dim=1)
+    return probes.gather(1, below).squeeze(1), probes.gather(1, below + 1).squeeze(1)
+
+
+def _first_keys_reaching(
+    grid: _Grid, targets: torch.Tensor, low: torch.Tensor, high: torch.Tensor, *, early_exit: bool
+) -> torch.Tensor:
+    """For each target bin, the smallest key in ``(low, high]`` whose float reaches it.
+
+    Requires ``bin_of(low) < target <= bin_of(high)``. The number of steps is fixed by the key
+    width, so nothing waits on an accelerator. With ``early_exit`` (free on the CPU) each step
+    takes only the brackets still wider than one key, and the search ends when none is.
+    """
+    bits = 32 if grid.lo.dtype == torch.float32 else 64
+    # float64 brackets are halved until a width times the probe count fits in an int64
+    fits = 63 - _WAY_BITS
+    steps = [True] * max(0, bits - fits) + [False] * (-(-min(bits, fits) // _WAY_BITS) + 1)
+    if not early_exit:
+        for halve in steps:
+            low, high = _search_step(grid, targets, low, high, halve=halve)
+        return high
+    low, high = low.clone(), high.clone()
+    todo = torch.arange(targets.numel())
+    for halve in steps:
+        todo = todo[low[todo] + 1 < high[todo]]  # high - low may overflow an int64
+        if todo.numel() == 0:
+            break
+        low[todo], high[todo] = _search_step(
+            grid, targets[todo], low[todo], high[todo], halve=halve
+        )
+    return high
+
+
+def _edges(grid: _Grid, n_finite: torch.Tensor, *, early_exit: bool) -> torch.Tensor:
+    """The ``bins + 1`` edges: ``lo``, the first float of each later bin, ``hi``; NaN if empty.
+
+    The search for each inner edge starts from a bracket of 256 floats around its nominal value
+    ``lo + (hi - lo) * i / bins``, which holds the threshold unless rounding moved it further
+    (then from all of ``[lo, hi]``). ``bin_of(lo)`` is 0 and ``offset(hi)`` rounds to within a
+    few epsilons of ``bins``, so ``hi`` reaches the last bin.
+    """
+    dtype, device = grid.lo.dtype, grid.lo.device
+    targets = torch.arange(1, grid.bins, dtype=dtype, device=device)
+    first, last = _float_keys(grid.lo.reshape(1)), _float_keys(grid.hi.reshape(1))
+    guess = _float_keys(grid.nominal(targets))
+    low = (guess - _WAYS // 2).clamp(first, last)
+    high = (guess + _WAYS // 2).clamp(first, last)
+    low_bins, high_bins = grid.bin_of(_keys_to_floats(torch.stack([low, high]), dtype))
+    valid = (low_bins < targets) & (high_bins >= targets)
+    low = torch.where(valid, low, first)
+    high = torch.where(valid, high, last)
+    found = _first_keys_reaching(grid, targets, low, high, early_exit=early_exit)
+    inner = _keys_to_floats(found, dtype)
+    edges = torch.cat([grid.lo.reshape(1), inner, grid.hi.reshape(1)])
     return torch.where(n_finite > 0, edges, math.nan)
 
 
 def count_sorted(index: torch.Tensor, n_buckets: int) -> torch.Tensor:
     """Count the occurrences of ``0 .. n_buckets - 1`` in ``index`` by sorting, as int64.
 
-    ``index_add_`` and ``scatter_add_`` raise on CUDA under
+    ``bincount``, ``index_add_`` and ``scatter_add_`` raise on CUDA under
     ``torch.use_deterministic_algorithms(True)``; sorting and ``searchsorted`` do not, and give the
     same counts.
     """
@@ -309,35 +475,31 @@ def _count(index: torch.Tensor, n_buckets: int) -> torch.Tensor:
     """Count the occurrences of ``0 .. n_buckets - 1`` in ``index``, as int64."""
     if index.is_cuda and torch.are_deterministic_algorithms_enabled():
         return count_sorted(index, n_buckets)
-    counts = torch.zeros(n_buckets, dtype=torch.int64, device=index.device)
-    ones = torch.ones((), dtype=torch.int64, device=index.device).expand(index.numel())
-    return counts.index_add_(0, index, ones)
+    # int32 input: 40 % faster than index_add_ on the CPU
+    return torch.bincount(index, minlength=n_buckets)
 
 
 def _bucket_index(chunk: torch.Tensor, mask: torch.Tensor | None, grid: _Grid) -> torch.Tensor:
-    """Bucket 0 for a non-finite entry, ``i + 1`` for one in bin ``i``, as int32.
+    """The int32 bucket of each entry: its bin, or ``bins`` for the max (folded later).
 
-    The arithmetic guess can be one bin off next to an edge, so it is checked against the edges
-    themselves, as ``numpy.histogram`` does; ``torch.bucketize`` would be exact but is several
-    times slower on the CPU.
+    With a mask, bucket 0 holds the non-finite entries and bin ``i`` is bucket ``i + 1``.
     """
-    last = grid.bins - 1
-    guess = (chunk - grid.lo).mul_(grid.bins / grid.span).floor_().clamp_(0, last)
-    edge = torch.empty_like(guess)
-    guess.add_(chunk < grid.edge(guess, out=edge), alpha=-1)
-    guess.add_((chunk >= grid.edge(torch.add(guess, 1, out=edge), out=edge)) & (guess < last))
-    if mask is not None:
-        guess.masked_fill_(mask.logical_not(), -1)
-    return guess.to(torch.int32).add_(1)
+    offsets = grid.offset(chunk)
+    if mask is None:
+        return offsets.to(torch.int32)
+    return offsets.masked_fill_(mask.logical_not(), -1).to(torch.int32).add_(1)
 
 
 def _bin_counts(prepared: PreparedTensor, grid: _Grid, chunk_size: int) -> torch.Tensor:
     """The int64 counts of the finite entries in each bin of the grid."""
-    counts = torch.zeros(grid.bins + 1, dtype=torch.int64, device=prepared.device)
+    masked = int(not prepared.all_finite)
+    buckets = masked + grid.bins + 1
+    counts = torch.zeros(buckets, dtype=torch.int64, device=prepared.device)
     for chunk, mask in _chunks(prepared, chunk_size):
-        counts += _count(_bucket_index(chunk, mask, grid), grid.bins + 1)
-    # bucket 0 collected the non-finite entries
-    return counts[1:]
+        counts += _count(_bucket_index(chunk, mask, grid), buckets)
+    # with a mask, bucket 0 collected the non-finite entries; the top bucket joins the last bin
+    counts = counts[masked:]
+    return torch.cat([counts[:-2], (counts[-2] + counts[-1]).reshape(1)])
 
 
 def histogram(
@@ -345,11 +507,15 @@ def histogram(
 ) -> torch.Tensor:
     """A ``bins``-bin histogram of the finite entries over their ``[min, max]``, packed flat.
 
-    Bins are half-open ``[e_i, e_i+1)`` except the last, which includes the max, as in
-    ``numpy.histogram``. A constant tensor gets the range ``[v - 0.5, v + 0.5]`` (wider where
-    ``v +- 0.5`` would round to ``v``). Counts are exact int64 until packed into the working dtype
-    (exact up to 2**24 per bin in float32). The edges are not finite if ``max - min`` overflows the
-    working dtype.
+    Bins are half-open ``[e_i, e_i+1)`` except the last, which includes the max, so the counts
+    equal ``numpy.histogram(x, bins=edges)`` exactly. The edges are evenly spaced up to rounding:
+    an entry's bin is ``(x - min) * bins / (max - min)`` truncated, computed with no comparison
+    to an edge, and each inner edge is the first float that this formula puts in its bin (found
+    by a bisection over the floats for all edges at once, not over the data). A constant tensor
+    gets the range ``[v - 0.5, v + 0.5]`` (wider where ``v +- 0.5`` would round to ``v``), and
+    so does a range too narrow for bins of finite width. Counts are exact int64 until packed
+    into the working dtype (exact up to 2**24 per bin in float32). On the CPU an all-finite
+    tensor is binned without a mask.
 
     Args:
         prepared: The tensor to reduce.
@@ -366,8 +532,8 @@ def histogram(
     if bins < 1:
         raise ValueError(f"bins must be a positive int, got {bins!r}")
     dtype = prepared.values.dtype
-    grid = _grid(*_finite_range(prepared, chunk_size), bins)
+    grid = _grid(*prepared.finite_range, bins)
     counts = _bin_counts(prepared, grid, chunk_size)
     nonfinite = prepared.numel - prepared.n_finite
-    edges = _edges(grid, prepared.n_finite)
+    edges = _edges(grid, prepared.n_finite, early_exit=prepared.all_finite is not None)
     return torch.cat([edges, counts.to(dtype), nonfinite.to(dtype).reshape(1)])
