@@ -37,13 +37,13 @@ def _step(
     configuration: str, plain: Workload, observed: Workload, observer: object, step: int
 ) -> float:
     workload = plain if configuration == "plain" else observed
-    started = time.thread_time()
+    started = time.perf_counter()
     if configuration != "plain":
         observer.begin_step(step, sample=configuration == "sampled")  # type: ignore[attr-defined]
     workload.step()
     if configuration != "plain":
         observer.end_step()  # type: ignore[attr-defined]
-    return time.thread_time() - started
+    return time.perf_counter() - started
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -57,15 +57,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--exact-quartiles", action="store_true", help="QuantileReducer(exact=True): sort it all"
+    )
+    parser.add_argument("--sink", choices=["run-directory", "recording"], default="run-directory")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from torchinstruments_core import inject_observer
+    from torchinstruments_core import MomentsReducer, QuantileReducer, inject_observer
 
     device = torch.device("cpu")
     plain, observed = build(args.workload, device), build(args.workload, device)
     with tempfile.TemporaryDirectory() as folder:
-        observer = inject_observer(observed.model, output_dir=Path(folder) / "run")
+        reducers = [MomentsReducer(), QuantileReducer(exact=True)] if args.exact_quartiles else None
+        observer = inject_observer(
+            observed.model, output_dir=Path(folder) / "run", reducers=reducers
+        )
         times: dict[str, list[float]] = {name: [] for name in CONFIGURATIONS}
         for index in range(args.warmup + args.rounds):
             order = CONFIGURATIONS[index % 3 :] + CONFIGURATIONS[: index % 3]
@@ -76,7 +83,9 @@ def main() -> None:
             print(f"round {index + 1}/{args.warmup + args.rounds}", file=sys.stderr, end="\r")
         observer.remove()  # type: ignore[attr-defined]
     print(file=sys.stderr)
+    quartiles = "exact quartiles" if args.exact_quartiles else "default profile"
     print(f"{WORKLOADS[args.workload].description}; {args.threads} thread(s), {args.rounds} rounds")
+    print(f"observed with the {quartiles}, run directory")
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}\n")
     print("| configuration | median step, CPU time (ms) | ratio to plain, median of rounds | IQR |")
     print("|---|---|---|---|")

@@ -169,3 +169,48 @@ def test_inductor_compiled_model_matches_eager() -> None:
     expected = _values(eager_sink)
     for key, value in _values(sink).items():
         assert value == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+
+
+def test_compiled_code_runs_eagerly_only_while_a_sample_is_armed() -> None:
+    """The eager stance lasts from a sampled begin_step to its end, and ends on removal too."""
+    backend = CountingBackend()
+    double = torch.compile(lambda t: t * 2, backend=backend)
+    x = torch.ones(3)
+    model = _model()
+    observer = inject_observer(model, sink=RecordingSink())
+    observer.begin_step(0, sample=True)
+    double(x)
+    assert backend.calls == 0  # forced eager: the sampled step's compiled code runs as Python
+    observer.end_step()
+    double(x)
+    assert backend.calls == 1
+    observer.begin_step(1, sample=True)
+    with pytest.raises(RuntimeError):
+        model(torch.ones(2, 5))  # a forward that fails halfway
+    observer.begin_step(2, sample=False)  # no end_step for the failed step
+    double(x)
+    assert backend.calls == 2
+    observer.begin_step(3, sample=True)
+    observer.remove()
+    double(x)
+    assert backend.calls == 3
+
+
+def test_two_observers_release_the_eager_stance_in_any_order() -> None:
+    """The stance is held while either observer samples and ends when the last step ends."""
+    backend = CountingBackend()
+    double = torch.compile(lambda t: t * 2, backend=backend)
+    x = torch.ones(3)
+    first, second = _model(), _model()
+    with (
+        inject_observer(first, sink=RecordingSink()) as one,
+        inject_observer(second, sink=RecordingSink()) as two,
+    ):
+        one.begin_step(0, sample=True)
+        two.begin_step(0, sample=True)
+        one.end_step()
+        double(x)
+        assert backend.calls == 0  # the second observer still samples
+        two.end_step()
+        double(x)
+        assert backend.calls == 1

@@ -125,3 +125,27 @@ def test_compiled_model_on_cuda_is_observed_without_recompiling() -> None:
     expected = _values(eager_sink)
     for key, value in _values(sink).items():
         assert value == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_sampled_step_adds_at_most_the_largest_activation_to_peak_memory() -> None:
+    """Peak CUDA memory of a sampled step exceeds an unsampled one's by at most one activation.
+
+    The largest activation is measured in float32, the working dtype of the reductions.
+    """
+    device = torch.device("cuda")
+    model = nn.Sequential(nn.Linear(256, 4096), nn.GELU(), nn.Linear(4096, 256)).to(device)
+    x = torch.randn(512, 256, device=device)
+    largest = 512 * 4096 * 4  # the GELU's output, in bytes
+    peaks = {}
+    with inject_observer(model, sink=RecordingSink()) as observer:
+        for step, sample in enumerate([True, False, True, False, True]):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            observer.begin_step(step, sample=sample)
+            model(x).square().mean().backward()
+            observer.end_step()
+            torch.cuda.synchronize()
+            peaks[sample] = torch.cuda.max_memory_allocated() - start
+            model.zero_grad(set_to_none=True)
+    assert peaks[True] - peaks[False] <= largest, peaks

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import pytest
 import torch
 
 from helpers import CountingReducer, mlp
 from torchinstruments_core import AlwaysSampler, inject_observer
 from torchinstruments_core.testing import RecordingSink
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def test_announced_steps_are_sampled_with_their_step_and_micro_batches() -> None:
@@ -63,8 +69,6 @@ def test_flush_delivers_open_samples() -> None:
 
 def test_explicit_samples_cover_submodule_calls_without_a_root_forward() -> None:
     """open_sample/finish_forward sample a step whose code calls submodules, not the root."""
-    import pytest
-
     from torchinstruments_core import Signal
 
     model = mlp()
@@ -90,8 +94,6 @@ def test_explicit_samples_cover_submodule_calls_without_a_root_forward() -> None
 
 def test_gradient_scale_divides_the_recorded_gradients() -> None:
     """With set_gradient_scale(s), gradients are recorded divided by s; outputs are untouched."""
-    import pytest
-
     from torchinstruments_core import ConfigurationError
 
     model = mlp()
@@ -116,8 +118,6 @@ def test_gradient_scale_may_be_a_tensor_or_read_when_each_sample_opens() -> None
     The function form is what the adapters pass: it sees a scaler's growth between the call to
     ``set_gradient_scale`` and the sample's forward.
     """
-    import pytest
-
     from torchinstruments_core import ConfigurationError
 
     model = mlp()
@@ -139,19 +139,24 @@ def test_gradient_scale_may_be_a_tensor_or_read_when_each_sample_opens() -> None
         assert sink.value("2", "output_gradient", "max", sample_id=sample_id) == pytest.approx(1.0)
 
 
-def test_a_failing_scale_reader_warns_and_keeps_training() -> None:
-    """A scale function that raises is reported once; its samples record the gradients as is."""
-    import pytest
+def _broken() -> float:
+    raise RuntimeError("scaler gone")
 
+
+@pytest.mark.parametrize(
+    "reader", [_broken, lambda: torch.ones(2), lambda: 0.0, lambda: -4.0, lambda: "8"]
+)
+def test_a_failing_scale_reader_warns_and_keeps_training(reader: Callable[[], object]) -> None:
+    """A scale function that raises or returns no valid scale is reported; training goes on.
+
+    Its samples record the gradients as they are.
+    """
     from torchinstruments_core import ObservationWarning
-
-    def broken() -> float:
-        raise RuntimeError("scaler gone")
 
     model = mlp()
     sink = RecordingSink()
     with inject_observer(model, sampler=AlwaysSampler(), sink=sink) as observer:
-        observer.set_gradient_scale(broken)
+        observer.set_gradient_scale(reader)  # type: ignore[arg-type]
         with pytest.warns(ObservationWarning, match="gradient scale could not be read"):
             (model(torch.randn(3, 4)).sum() * 8.0).backward()
     assert sink.value("2", "output_gradient", "max") == pytest.approx(8.0)

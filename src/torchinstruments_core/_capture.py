@@ -140,8 +140,8 @@ class Attachment:
         """
         if self.armed:
             return
-        self.armed = True
         self._restore_stance = force_eager()
+        self.armed = True
         if self._direct:
             return
         for layer, hook in zip(self._layers, self._layer_hooks, strict=True):
@@ -152,10 +152,13 @@ class Attachment:
         if not self.armed:
             return
         self.armed = False
-        for handle in self._armed:
-            handle.remove()
-        self._armed.clear()
-        self._restore_stance()
+        restore, self._restore_stance = self._restore_stance, inert_hook
+        try:
+            for handle in self._armed:
+                handle.remove()
+            self._armed.clear()
+        finally:
+            restore()
 
     def _layer_hook(self, layer: Layer, _module: nn.Module, _args: Any, output: Any) -> None:
         self._on_output(layer, output)

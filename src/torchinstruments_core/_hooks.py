@@ -12,7 +12,7 @@ module hook fires on real tensors, and the compiled graphs of unsampled forwards
 
 from __future__ import annotations
 
-import functools
+import threading
 from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar
 
 if TYPE_CHECKING:
@@ -32,6 +32,48 @@ def run_eagerly(function: F) -> F:
     return torch.compiler.disable(function)  # type: ignore[no-untyped-call,no-any-return]
 
 
+class _EagerStance:
+    """The ``force_eager`` stance, held while any observer has a sample armed.
+
+    Observers arm and disarm in any order (two models, nested steps); the stance is set when the
+    first holder arrives and the one found then is restored when the last one leaves.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._stance: Any = None
+
+    def acquire(self) -> Callable[[], None]:
+        import torch
+
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        if set_stance is None:
+            return _nothing
+        with self._lock:
+            if self._holders == 0:
+                # takes effect now; its __exit__ restores the stance found
+                self._stance = set_stance("force_eager")
+            self._holders += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if released:
+                    return
+                released = True
+                self._holders -= 1
+                if self._holders == 0:
+                    stance, self._stance = self._stance, None
+                    stance.__exit__(None, None, None)
+
+        return release
+
+
+_EAGER = _EagerStance()
+
+
 def _nothing() -> None:
     return None
 
@@ -42,16 +84,11 @@ def force_eager() -> Callable[[], None]:
     ``torch.compiler.set_stance("force_eager")`` (torch 2.6 and later) makes a sampled forward
     take the model's own Python code, where the per-module hooks fire, without compiling a
     variant of the graph with the hooks in it; the unsampled forwards keep the compiled graph.
-    Older torch has no stances: the returned function does nothing, and compiled code traces
-    up to each hook, breaking its graph there (see the README).
+    The stance is process-wide: it holds while any observer has a sample armed. Older torch
+    has no stances: the returned function does nothing, and compiled code traces up to each
+    hook, breaking its graph there (see the README).
     """
-    import torch
-
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    if set_stance is None:
-        return _nothing
-    stance = set_stance("force_eager")  # takes effect now; __exit__ restores the previous one
-    return functools.partial(stance.__exit__, None, None, None)
+    return _EAGER.acquire()
 
 
 def inert_hook(*args: object) -> None:

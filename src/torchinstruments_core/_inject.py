@@ -58,6 +58,11 @@ def inject_observer(
     bit-identical, and ``remove_observer`` leaves no hook behind. On a forward that is not sampled
     only two hooks on the root run; no per-module hook, no reducer.
 
+    A ``torch.compile``d model is best observed as the compiled module
+    (``inject_observer(torch.compile(model))``): unsampled forwards run its graph untouched, and
+    a sampled forward runs the model's own Python (the ``force_eager`` stance, torch 2.6 and
+    later), so it is never recompiled for the hooks. The hooks are never traced into a graph.
+
     Args:
         model: The root module. A sample is one call of it (and the backward through its graph).
         interval: Seconds between samples: the first root forward, then the first after each

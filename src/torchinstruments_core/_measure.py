@@ -45,6 +45,7 @@ class Measurement:
     results: list[ReducerResult] = field(default_factory=list)
     histogram: torch.Tensor | None = None
     histogram_bins: int = 0
+    histogram_float64: bool = False
     errors: list[BaseException] = field(default_factory=list)
 
 
@@ -116,7 +117,11 @@ class Measurer:
             if scale is not None:  # in the working dtype: fp16 would underflow
                 dtype = working_dtype(tensor.dtype)
                 if isinstance(scale, torch.Tensor):  # never read on the host: no device sync
-                    scale = scale.detach().reshape(()).to(tensor.device, dtype, non_blocking=True)
+                    # non_blocking only towards a device: a host copy must land before it is read
+                    to_device = tensor.device.type != "cpu"
+                    scale = (
+                        scale.detach().reshape(()).to(tensor.device, dtype, non_blocking=to_device)
+                    )
                 tensor = tensor.detach().to(dtype) / scale
             prepared = PreparedTensor(tensor, self._generator(tensor.device), self._index_cache)
             measurement = Measurement(None, self.metrics, n_finite=prepared.n_finite)
@@ -139,6 +144,7 @@ class Measurer:
         try:
             measurement.histogram = self.histogram.reduce(prepared).reshape(-1)
             measurement.histogram_bins = self.histogram.bins
+            measurement.histogram_float64 = prepared.values.dtype == torch.float64
         except Exception as error:
             measurement.errors.append(error)
 

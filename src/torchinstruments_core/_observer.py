@@ -61,10 +61,22 @@ _SINK_CONSEQUENCE = "what the sink did not take is lost"
 _SCALE_CONSEQUENCE = "this sample records its gradients as they are, still scaled"
 
 
-def _is_scale(value: object) -> bool:
+def _check_scale(scale: object) -> None:
+    """Raise unless ``scale`` is None, a finite number > 0 or a one-element tensor."""
     import torch
 
-    return isinstance(value, torch.Tensor) and value.numel() == 1
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ConfigurationError.invalid("scale", scale, "a tensor of one element")
+        return  # its value stays on the device; reading it would wait for the device
+    if scale is not None and (
+        isinstance(scale, bool)
+        or not isinstance(scale, int | float)
+        or not (math.isfinite(scale) and scale > 0)
+    ):
+        raise ConfigurationError.invalid(
+            "scale", scale, "a finite number > 0, a one-element tensor, a function, or None"
+        )
 
 
 class _Sentinel:
@@ -168,6 +180,8 @@ class Observer:
             self._resolve_rank()
             if self._enabled:
                 self._attachment.arm()
+        elif self._active is None:
+            self._attachment.disarm()  # a sampled step that never saw its end_step
 
     def open_sample(self, step: int | None = None) -> bool:
         """Start a sample now, without waiting for a root forward.
@@ -218,14 +232,8 @@ class Observer:
             ConfigurationError: If ``scale`` is a number that is not finite and positive, or of
                 another type.
         """
-        if isinstance(scale, bool) or not (
-            scale is None or callable(scale) or _is_scale(scale) or isinstance(scale, int | float)
-        ):
-            raise ConfigurationError.invalid(
-                "scale", scale, "a number, a one-element tensor, a function returning one, or None"
-            )
-        if isinstance(scale, int | float) and not (math.isfinite(scale) and scale > 0):
-            raise ConfigurationError.invalid("scale", scale, "a finite number > 0, or None")
+        if not callable(scale):
+            _check_scale(scale)
         self._gradient_scale = scale
 
     def _current_gradient_scale(self) -> float | torch.Tensor | None:
@@ -234,6 +242,7 @@ class Observer:
             return scale
         try:
             value = scale()
+            _check_scale(value)
         except Exception as error:  # an adapter's scale reader must never break the forward
             self._failed(
                 "the gradient scale could not be read", error, "gradient-scale", _SCALE_CONSEQUENCE
@@ -304,6 +313,7 @@ class Observer:
 
     def _release_references(self) -> None:
         atexit.unregister(self._exit_hook)
+        self._config.measurer.new_sample()  # drop the cached subsample positions
         from torchinstruments_core._registry import forget
 
         if self._model is not None:

@@ -20,6 +20,7 @@ from torchinstruments_core._records import (
     UnavailableReason,
 )
 from torchinstruments_core._transfer import HostTransfer
+from torchinstruments_core.reducers.functional import split_histogram
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -115,7 +116,7 @@ class Sample:
         for site, measurement in self._measured:
             rows.extend(_rows(site, measurement, host))
             if measurement.histogram is not None:
-                histogram = _histogram(site, next(host), measurement.histogram_bins)
+                histogram = _histogram(site, next(host), measurement)
                 if histogram is not None:
                     histograms.append(histogram)
         if not self.forward_only:
@@ -168,17 +169,18 @@ def _finite_row(site: Site, metric: str, value: float, n_finite: float) -> StatR
     return _row(site, metric, None, UnavailableReason.NON_FINITE_RESULT)
 
 
-def _histogram(site: Site, packed: list[float], bins: int) -> HistogramRecord | None:
-    edges = tuple(packed[: bins + 1])
+def _histogram(site: Site, packed: list[float], measurement: Measurement) -> HistogramRecord | None:
+    edges, counts, nonfinite = split_histogram(
+        packed, measurement.histogram_bins, float64=measurement.histogram_float64
+    )
     if not all(math.isfinite(edge) for edge in edges):
         return None  # no finite entries: nothing to bin (the rows say no_finite_values)
-    counts = tuple(packed[bins + 1 : 2 * bins + 1])
     return HistogramRecord(
         site.layer,
         site.call_index,
         site.signal,
         site.tensor_path,
-        edges=edges,
-        counts=counts,
-        nonfinite_count=int(packed[2 * bins + 1]),
+        edges=tuple(edges),
+        counts=tuple(counts),
+        nonfinite_count=int(nonfinite),
     )

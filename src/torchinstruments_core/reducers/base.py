@@ -107,7 +107,8 @@ class PreparedTensor:
     def finite_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Min and max of the finite entries, 0-d tensors; ``(inf, -inf)`` when there are none.
 
-        Masked work goes chunk by chunk, so its temporaries stay within ``CHUNK_SIZE`` entries.
+        Besides the finite mask (one byte per entry), masked work goes chunk by chunk, so its
+        temporaries stay within ``CHUNK_SIZE`` entries.
         """
         if self.all_finite:
             lo, hi = torch.aminmax(self.values)

@@ -1,8 +1,10 @@
 """Pure tensor reductions of a ``PreparedTensor``, computed on its device without a host sync.
 
-Nothing here calls ``.item()`` or ``.cpu()``, indexes with a boolean mask, or builds a tensor from
-host data on the device: each of those would make the host wait for the accelerator. On the CPU,
-where knowing ``all_finite`` is free, the masking work is skipped for all-finite tensors.
+On an accelerator (``prepared.all_finite is None``) nothing here calls ``.item()`` or ``.cpu()``,
+branches on a tensor's value, indexes with a boolean mask, calls an op that reads its input on
+the host (``bincount``, ``nonzero``), or builds a tensor from host data: each of those would make
+the host wait for the device. On the CPU, where reading a value is free, all-finite tensors skip
+the masking work and some statistics are computed by numpy or in Python floats.
 
 Large tensors are processed in chunks of ``chunk_size`` elements, so the extra memory a reduction
 needs is about one chunk's worth of working-dtype temporaries, whatever the tensor's size.
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
+from torchinstruments_core.reducers._edges import histogram_edges
 from torchinstruments_core.reducers.base import CHUNK_SIZE
 
 if TYPE_CHECKING:
@@ -39,6 +42,9 @@ MOMENT_METRICS = (
 """Names of the values ``moments`` returns, in order."""
 
 DEFAULT_QUANTILES = (0.25, 0.5, 0.75)
+
+DEFAULT_SAMPLE_SIZE = 32768
+"""Entries sorted per tensor for quantiles: rank error below 0.015 with probability 1 - 7.9e-7."""
 
 
 class _Partial(NamedTuple):
@@ -64,8 +70,8 @@ def _chunks(
 _SQUARES_BLOCK = 2**17
 """Entries per dot product in ``_sum_of_squares``: float32 accumulation stays within ~1e-7."""
 
-_CONDITIONING = 16.0
-"""``sum(x**2) - n * mean**2`` is used for the variance only where ``mean**2 <= 16 * variance``."""
+_CONDITIONING = 4.0
+"""``sum(x**2) - n * mean**2`` is used for the variance only where ``mean**2 <= 4 * variance``."""
 
 
 def _sum_of_squares(chunk: torch.Tensor) -> float:
@@ -86,7 +92,7 @@ def _host_moments(prepared: PreparedTensor, chunk_size: int) -> torch.Tensor | N
 
     ``M2 = sum(x**2) - sum(x) * mean`` costs one fast blocked dot product instead of a pass that
     writes the deviations and two that read them, and is accurate to ~1e-6 where the mean is not
-    large against the spread; elsewhere (``mean**2 > 16 * variance``) the squared deviations
+    large against the spread; elsewhere (``mean**2 > 4 * variance``) the squared deviations
     from the mean are summed chunk by chunk. The eight values become one tensor at the end
     instead of passing through a dozen scalar kernels.
     """
@@ -255,7 +261,7 @@ def quantiles(
     prepared: PreparedTensor,
     qs: Sequence[float] = DEFAULT_QUANTILES,
     *,
-    sample_size: int = 65536,
+    sample_size: int = DEFAULT_SAMPLE_SIZE,
     exact: bool = False,
 ) -> torch.Tensor:
     """Quantiles of the finite entries, with numpy's default (``linear``) interpolation.
@@ -265,8 +271,9 @@ def quantiles(
     in the subsample, the Dvoretzky-Kiefer-Wolfowitz inequality gives that the returned
     ``q``-quantile lies between the true ``(q - eps)`` and ``(q + eps)`` quantiles (give or take
     the ``1/m`` in rank of one interpolation step) with probability at least
-    ``1 - 2 * exp(-2 * m * eps**2)``, for all levels at once. For ``m = 65536`` and ``eps = 0.01``
-    that is ``1 - 2 * exp(-13.1072) = 1 - 4.06e-6`` (0.99999594).
+    ``1 - 2 * exp(-2 * m * eps**2)``, for all levels at once. For the default ``m = 32768`` and
+    ``eps = 0.015`` that is ``1 - 2 * exp(-14.7456) = 1 - 7.9e-7``; for ``eps = 0.01``,
+    ``1 - 2.85e-3``. The typical rank error of a quartile is ``sqrt(q * (1 - q) / m)``, 0.0024.
 
     Unlike ``torch.quantile`` there is no size limit: non-finite entries are keyed to ``+inf``
     and sorted last, and the interpolation positions come from the on-device finite count.
@@ -324,35 +331,24 @@ def _sort(values: torch.Tensor) -> torch.Tensor:
 
 
 class _Grid(NamedTuple):
-    """The bins over ``[lo, hi]``: an entry ``x`` goes to bin ``bin_of(x)``.
+    """The bins over ``[lo, hi]``: an entry ``x`` goes to bin ``offset(x)`` truncated.
 
-    ``bin_of`` is ``(x / 2 - lo / 2) * scale`` truncated, with the top value ``bins`` (reached only
-    by the max, up to rounding) folded into the last bin. Halves cannot overflow where
-    ``hi - lo`` would, and close values subtract exactly. Each rounded operation is
-    non-decreasing, so ``bin_of`` is too, and its thresholds (the first float that reaches each
-    bin) are the edges: bin ``i`` holds exactly the entries in ``[edge_i, edge_i+1)`` without
-    comparing any entry to an edge. Every device runs the same operations, so CPU and CUDA give
-    the same bins.
+    The offset is ``(x * 0.5 - lo * 0.5) * scale``: halves cannot overflow where ``hi - lo``
+    would, and close values subtract exactly. The top value ``bins`` (reached only by the max,
+    up to rounding) joins the last bin. Each rounded operation is non-decreasing, so the bin is
+    too, and ``_edges.histogram_edges`` finds the first float of each bin from ``lo``, ``hi`` and
+    ``scale`` alone. Every device runs the same operations, so CPU and CUDA give the same bins.
     """
 
     lo: torch.Tensor
     hi: torch.Tensor
     half_lo: torch.Tensor
-    half_span: torch.Tensor
     scale: torch.Tensor
     bins: int
 
     def offset(self, values: torch.Tensor) -> torch.Tensor:
-        """``bin_of`` before truncation and folding: a float in ``[0, bins]`` for finite entries."""
+        """A float in ``[0, bins]`` for finite entries, whose integer part is the bin."""
         return torch.mul(values, 0.5).sub_(self.half_lo).mul_(self.scale)
-
-    def bin_of(self, values: torch.Tensor) -> torch.Tensor:
-        """The bin of each entry as a float whose integer part is the bin (compare with ints)."""
-        return self.offset(values).clamp_(0, self.bins - 1)
-
-    def nominal(self, steps: torch.Tensor) -> torch.Tensor:
-        """``lo + (hi - lo) * steps / bins``, the evenly spaced edges before rounding."""
-        return (self.half_lo + self.half_span * (steps / self.bins)) * 2
 
 
 def _grid(lo: torch.Tensor, hi: torch.Tensor, bins: int) -> _Grid:
@@ -363,106 +359,20 @@ def _grid(lo: torch.Tensor, hi: torch.Tensor, bins: int) -> _Grid:
     narrow = (hi - lo) < 4 * bins / finfo.max
     width = torch.maximum(lo.abs(), hi.abs()) * finfo.eps
     pad = torch.where(narrow, width.clamp(min=0.5), 0)
-    lo, hi = lo - pad, hi + pad
+    low, high = lo - pad, hi + pad
+    # at the ends of the float range, widen inward instead of overflowing
+    lo, hi = (
+        torch.where(high.isinf(), lo - 2 * pad, torch.where(low.isinf(), lo, low)),
+        torch.where(high.isinf(), hi, torch.where(low.isinf(), hi + 2 * pad, high)),
+    )
     half_lo = lo * 0.5
-    half_span = hi * 0.5 - half_lo
-    return _Grid(lo, hi, half_lo, half_span, bins / half_span, bins)
-
-
-def _float_keys(values: torch.Tensor) -> torch.Tensor:
-    """int64 keys in the order of the floats: ``a < b`` exactly when ``key(a) < key(b)``."""
-    bits = values.view(torch.int32 if values.dtype == torch.float32 else torch.int64).long()
-    magnitude = bits & (0x7FFFFFFF if values.dtype == torch.float32 else 0x7FFFFFFFFFFFFFFF)
-    return torch.where(bits < 0, -magnitude, bits)
-
-
-def _keys_to_floats(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The floats of ``_float_keys`` (``-0.0`` comes back as ``0.0``)."""
-    # a negative float's bits are its magnitude with the sign bit set
-    if dtype == torch.float32:
-        return torch.where(keys < 0, -keys - 2**31, keys).int().view(torch.float32)
-    return torch.where(keys < 0, -keys | -(2**63), keys).view(torch.float64)
-
-
-_WAY_BITS = 8
-_WAYS = 2**_WAY_BITS
-"""Keys probed per step of the edge search: each step shrinks the bracket 256-fold."""
-
-
-def _search_step(
-    grid: _Grid, targets: torch.Tensor, low: torch.Tensor, high: torch.Tensor, *, halve: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step of the edge search: the bracket halved, or cut into ``_WAYS`` parts."""
-    dtype = grid.lo.dtype
-    if halve:
-        middle = (low >> 1) + (high >> 1) + (low & high & 1)  # floor((low + high) / 2), exact
-        up = grid.bin_of(_keys_to_floats(middle, dtype)) >= targets
-        return torch.where(up, low, middle), torch.where(up, middle, high)
-    fractions = torch.arange(1, _WAYS, device=targets.device)
-    inner = low.unsqueeze(1) + (((high - low).unsqueeze(1) * fractions) >> _WAY_BITS)
-    up = grid.bin_of(_keys_to_floats(inner, dtype)) >= targets.unsqueeze(1)
-    below = (~up).sum(dim=1, keepdim=True)  # the probes short of the target
-    probes = torch.cat([low.unsqueeze(1), inner, high.unsqueeze(1)], dim=1)
-    return probes.gather(1, below).squeeze(1), probes.gather(1, below + 1).squeeze(1)
-
-
-def _first_keys_reaching(
-    grid: _Grid, targets: torch.Tensor, low: torch.Tensor, high: torch.Tensor, *, early_exit: bool
-) -> torch.Tensor:
-    """For each target bin, the smallest key in ``(low, high]`` whose float reaches it.
-
-    Requires ``bin_of(low) < target <= bin_of(high)``. The number of steps is fixed by the key
-    width, so nothing waits on an accelerator. With ``early_exit`` (free on the CPU) each step
-    takes only the brackets still wider than one key, and the search ends when none is.
-    """
-    bits = 32 if grid.lo.dtype == torch.float32 else 64
-    # float64 brackets are halved until a width times the probe count fits in an int64
-    fits = 63 - _WAY_BITS
-    steps = [True] * max(0, bits - fits) + [False] * (-(-min(bits, fits) // _WAY_BITS) + 1)
-    if not early_exit:
-        for halve in steps:
-            low, high = _search_step(grid, targets, low, high, halve=halve)
-        return high
-    low, high = low.clone(), high.clone()
-    todo = torch.arange(targets.numel())
-    for halve in steps:
-        todo = todo[low[todo] + 1 < high[todo]]  # high - low may overflow an int64
-        if todo.numel() == 0:
-            break
-        low[todo], high[todo] = _search_step(
-            grid, targets[todo], low[todo], high[todo], halve=halve
-        )
-    return high
-
-
-def _edges(grid: _Grid, n_finite: torch.Tensor, *, early_exit: bool) -> torch.Tensor:
-    """The ``bins + 1`` edges: ``lo``, the first float of each later bin, ``hi``; NaN if empty.
-
-    The search for each inner edge starts from a bracket of 256 floats around its nominal value
-    ``lo + (hi - lo) * i / bins``, which holds the threshold unless rounding moved it further
-    (then from all of ``[lo, hi]``). ``bin_of(lo)`` is 0 and ``offset(hi)`` rounds to within a
-    few epsilons of ``bins``, so ``hi`` reaches the last bin.
-    """
-    dtype, device = grid.lo.dtype, grid.lo.device
-    targets = torch.arange(1, grid.bins, dtype=dtype, device=device)
-    first, last = _float_keys(grid.lo.reshape(1)), _float_keys(grid.hi.reshape(1))
-    guess = _float_keys(grid.nominal(targets))
-    low = (guess - _WAYS // 2).clamp(first, last)
-    high = (guess + _WAYS // 2).clamp(first, last)
-    low_bins, high_bins = grid.bin_of(_keys_to_floats(torch.stack([low, high]), dtype))
-    valid = (low_bins < targets) & (high_bins >= targets)
-    low = torch.where(valid, low, first)
-    high = torch.where(valid, high, last)
-    found = _first_keys_reaching(grid, targets, low, high, early_exit=early_exit)
-    inner = _keys_to_floats(found, dtype)
-    edges = torch.cat([grid.lo.reshape(1), inner, grid.hi.reshape(1)])
-    return torch.where(n_finite > 0, edges, math.nan)
+    return _Grid(lo, hi, half_lo, bins / (hi * 0.5 - half_lo), bins)
 
 
 def count_sorted(index: torch.Tensor, n_buckets: int) -> torch.Tensor:
     """Count the occurrences of ``0 .. n_buckets - 1`` in ``index`` by sorting, as int64.
 
-    ``bincount``, ``index_add_`` and ``scatter_add_`` raise on CUDA under
+    ``index_add_`` and ``scatter_add_`` raise on CUDA under
     ``torch.use_deterministic_algorithms(True)``; sorting and ``searchsorted`` do not, and give the
     same counts.
     """
@@ -473,10 +383,14 @@ def count_sorted(index: torch.Tensor, n_buckets: int) -> torch.Tensor:
 
 def _count(index: torch.Tensor, n_buckets: int) -> torch.Tensor:
     """Count the occurrences of ``0 .. n_buckets - 1`` in ``index``, as int64."""
+    if index.device.type == "cpu":
+        return torch.bincount(index, minlength=n_buckets)  # int32 input: 40 % over index_add_
     if index.is_cuda and torch.are_deterministic_algorithms_enabled():
         return count_sorted(index, n_buckets)
-    # int32 input: 40 % faster than index_add_ on the CPU
-    return torch.bincount(index, minlength=n_buckets)
+    # bincount reads the index's min and max on the host there: a device sync
+    counts = torch.zeros(n_buckets, dtype=torch.int64, device=index.device)
+    ones = torch.ones((), dtype=torch.int64, device=index.device).expand(index.numel())
+    return counts.index_add_(0, index, ones)
 
 
 def _bucket_index(chunk: torch.Tensor, mask: torch.Tensor | None, grid: _Grid) -> torch.Tensor:
@@ -502,20 +416,72 @@ def _bin_counts(prepared: PreparedTensor, grid: _Grid, chunk_size: int) -> torch
     return torch.cat([counts[:-2], (counts[-2] + counts[-1]).reshape(1)])
 
 
+def histogram_counts(
+    prepared: PreparedTensor, bins: int = 64, *, chunk_size: int = HISTOGRAM_CHUNK_SIZE
+) -> torch.Tensor:
+    """A ``bins``-bin histogram of the finite entries over their ``[min, max]``, without edges.
+
+    Everything that touches the data, on its device without a host sync; ``histogram_edges``
+    turns the first three values into the edges on the host. An entry's bin is
+    ``(x - min) * bins / (max - min)`` truncated (computed as ``(x/2 - min/2) * scale``), with no
+    comparison to an edge. A constant tensor gets the range ``[v - 0.5, v + 0.5]`` (wider where
+    ``v +- 0.5`` would round to ``v``; inward at the ends of the float range), and so does a
+    range too narrow for bins of finite width. Counts are exact int64 until packed into the
+    working dtype (exact up to 2**24 per bin in float32). On the CPU an all-finite tensor is
+    binned without a mask.
+
+    Args:
+        prepared: The tensor to reduce.
+        bins: Number of bins.
+        chunk_size: Elements per chunk; it bounds the temporary memory.
+
+    Returns:
+        A tensor of ``bins + 4`` values in the working dtype: the grid's ``lo``, ``hi`` and
+        ``scale`` (NaN when there is no finite entry), ``bins`` counts, then the number of
+        non-finite entries.
+
+    Raises:
+        ValueError: If ``bins`` is not positive.
+    """
+    if bins < 1:
+        raise ValueError(f"bins must be a positive int, got {bins!r}")
+    dtype = prepared.values.dtype
+    grid = _grid(*prepared.finite_range, bins)
+    counts = _bin_counts(prepared, grid, chunk_size)
+    present = prepared.n_finite > 0
+    parameters = torch.where(present, torch.stack([grid.lo, grid.hi, grid.scale]), math.nan)
+    nonfinite = prepared.numel - prepared.n_finite
+    return torch.cat([parameters, counts.to(dtype), nonfinite.to(dtype).reshape(1)])
+
+
+def split_histogram(
+    packed: Sequence[float], bins: int, *, float64: bool = False
+) -> tuple[list[float], list[float], float]:
+    """The edges, counts and non-finite count of a ``histogram_counts`` result read on the host.
+
+    Args:
+        packed: The ``bins + 4`` values, as host floats.
+        bins: Number of bins.
+        float64: Whether the histogram was computed in float64 (float64 input).
+    """
+    lo, hi, scale = packed[0], packed[1], packed[2]
+    edges = histogram_edges(lo, hi, scale, bins, float64=float64)
+    return edges, list(packed[3 : 3 + bins]), packed[3 + bins]
+
+
 def histogram(
     prepared: PreparedTensor, bins: int = 64, *, chunk_size: int = HISTOGRAM_CHUNK_SIZE
 ) -> torch.Tensor:
     """A ``bins``-bin histogram of the finite entries over their ``[min, max]``, packed flat.
 
-    Bins are half-open ``[e_i, e_i+1)`` except the last, which includes the max, so the counts
-    equal ``numpy.histogram(x, bins=edges)`` exactly. The edges are evenly spaced up to rounding:
-    an entry's bin is ``(x - min) * bins / (max - min)`` truncated, computed with no comparison
-    to an edge, and each inner edge is the first float that this formula puts in its bin (found
-    by a bisection over the floats for all edges at once, not over the data). A constant tensor
-    gets the range ``[v - 0.5, v + 0.5]`` (wider where ``v +- 0.5`` would round to ``v``), and
-    so does a range too narrow for bins of finite width. Counts are exact int64 until packed
-    into the working dtype (exact up to 2**24 per bin in float32). On the CPU an all-finite
-    tensor is binned without a mask.
+    ``histogram_counts`` with the edges filled in: bins are half-open ``[e_i, e_i+1)`` except the
+    last, which includes the max, so the counts equal ``numpy.histogram(x, bins=edges)`` exactly.
+    The edges are even up to rounding: each inner edge is the first float that the binning puts
+    in its bin (a bisection over the floats for all edges at once, not over the data).
+
+    This reads the grid's three numbers on the host, which waits for an accelerator; the engine
+    runs ``histogram_counts`` on the device instead and finds the edges after the sample's
+    single transfer.
 
     Args:
         prepared: The tensor to reduce.
@@ -529,11 +495,9 @@ def histogram(
     Raises:
         ValueError: If ``bins`` is not positive.
     """
-    if bins < 1:
-        raise ValueError(f"bins must be a positive int, got {bins!r}")
-    dtype = prepared.values.dtype
-    grid = _grid(*prepared.finite_range, bins)
-    counts = _bin_counts(prepared, grid, chunk_size)
-    nonfinite = prepared.numel - prepared.n_finite
-    edges = _edges(grid, prepared.n_finite, early_exit=prepared.all_finite is not None)
-    return torch.cat([edges, counts.to(dtype), nonfinite.to(dtype).reshape(1)])
+    packed = histogram_counts(prepared, bins, chunk_size=chunk_size)
+    float64 = packed.dtype == torch.float64
+    lo, hi, scale = packed[:3].tolist()
+    edges = histogram_edges(lo, hi, scale, bins, float64=float64)
+    edge_tensor = torch.tensor(edges, dtype=packed.dtype, device=packed.device)
+    return torch.cat([edge_tensor, packed[3:]])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torchinstruments_core.reducers.functional import histogram
+from torchinstruments_core.reducers.functional import histogram_counts, split_histogram
 
 if TYPE_CHECKING:
     import torch
@@ -18,8 +18,9 @@ class HistogramReducer:
     """A ``bins``-bin histogram of the finite entries over their ``[min, max]``.
 
     Its output is not a list of scalars, so ``metrics`` is empty and ``reduce`` returns one packed
-    tensor of ``2 * bins + 2`` values (see ``functional.histogram``). The engine recognises this
-    reducer and splits the packed tensor with ``unpack`` after the transfer to the host.
+    tensor of ``bins + 4`` values (see ``functional.histogram_counts``): what needs the data, on
+    its device. The engine recognises this reducer and, after the transfer to the host, turns
+    the packed values into edges, counts and the non-finite count with ``unpack``.
 
     Args:
         bins: Number of bins; a positive int.
@@ -40,10 +41,17 @@ class HistogramReducer:
         return ()
 
     def reduce(self, tensor: PreparedTensor) -> torch.Tensor:
-        """Return the packed histogram: ``bins + 1`` edges, ``bins`` counts, non-finite count."""
-        return histogram(tensor, self.bins)
+        """Return the packed histogram: the grid's lo, hi and scale, the counts, non-finite."""
+        return histogram_counts(tensor, self.bins)
 
-    def unpack(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split a packed histogram into its edges, its counts and its 0-d non-finite count."""
-        edges_end = self.bins + 1
-        return packed[:edges_end], packed[edges_end:-1], packed[-1]
+    def unpack(
+        self, packed: torch.Tensor | list[float], *, float64: bool = False
+    ) -> tuple[list[float], list[float], float]:
+        """Split a packed histogram, read on the host, into its edges, counts and non-finite count.
+
+        Args:
+            packed: What ``reduce`` returned (a tensor is read on the host) or its values.
+            float64: Whether the tensor was float64 (its histogram computed in float64).
+        """
+        values = packed if isinstance(packed, list) else packed.tolist()
+        return split_histogram(values, self.bins, float64=float64)

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torchinstruments_core.reducers.functional import DEFAULT_QUANTILES, quantiles
+from torchinstruments_core.reducers.functional import (
+    DEFAULT_QUANTILES,
+    DEFAULT_SAMPLE_SIZE,
+    quantiles,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -18,8 +22,9 @@ class QuantileReducer:
     """The 25th, 50th and 75th percentiles of the finite entries (numpy's linear interpolation).
 
     Tensors larger than ``sample_size`` are subsampled with the tensor's private generator; see
-    ``functional.quantiles`` for the error bound (rank error above 0.01 with probability below
-    4.1e-6 at the default size).
+    ``functional.quantiles`` for the error bound (at the default size of 32,768, a rank error
+    above 0.015 with probability below 7.9e-7; typically 0.0024). Sorting every entry instead
+    (``exact=True``) costs time and memory in proportion to the tensor.
 
     Args:
         sample_size: Largest number of entries sorted per tensor; a positive int.
@@ -29,7 +34,7 @@ class QuantileReducer:
         ValueError: If ``sample_size`` is not a positive int or ``exact`` is not a bool.
     """
 
-    sample_size: int = 65536
+    sample_size: int = DEFAULT_SAMPLE_SIZE
     exact: bool = False
 
     def __post_init__(self) -> None:

@@ -37,8 +37,8 @@ _MEANINGS = {
 _METRICS = """\
 Statistics describe the finite entries of a tensor; the two fractions describe the whole tensor.
 `mean`, `std` (population), `min`, `max`, `rms`, `max_abs`; `p25`, `p50`, `p75` (from a uniform
-random subsample of 65,536 entries for larger tensors: rank error below 0.01 with probability
-above 0.999996); `zero_fraction`, `nonfinite_fraction` (NaN and ±Inf).
+random subsample of 32,768 entries for larger tensors: rank error below 0.015 with probability
+above 0.999999); `zero_fraction`, `nonfinite_fraction` (NaN and ±Inf).
 `max_abs / rms` large means outlier-dominated ranges (int8/fp8 quantization risk)."""
 
 QUERIES: tuple[tuple[str, str], ...] = (

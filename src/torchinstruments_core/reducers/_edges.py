@@ -1,0 +1,123 @@
+"""The edges of a histogram, found on the host from the three numbers that define its bins.
+
+A histogram's bins are those of ``bin_of(x) = clamp((x * 0.5 - lo * 0.5) * scale, 0, bins - 1)``
+truncated, computed on the tensor's device in the working dtype. The function is non-decreasing
+(each rounded operation is), so bin ``i`` holds exactly the entries from the first float that
+reaches it (its threshold) up to the next threshold. This module finds the thresholds with
+numpy, doing the same float operations in the same dtype as the device did, so they are the
+device's thresholds bit for bit; on an accelerator that replaces a hundred tiny kernels per
+histogram with a few microseconds of host work after the sample's transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+_WAY_BITS = 8
+_WAYS = 2**_WAY_BITS
+"""Keys probed per step of the search: each step shrinks a bracket 256-fold."""
+
+
+class _Floats:
+    """The floats of one dtype as int64 keys in their order, and the bin function over them."""
+
+    def __init__(self, dtype: type[np.floating], lo: float, scale: float, bins: int) -> None:
+        self.dtype = dtype
+        self.bits = 32 if dtype is np.float32 else 64
+        self.half = dtype(0.5)
+        self.half_lo = dtype(lo) * self.half
+        self.scale = dtype(scale)
+        self.top = bins - 1
+
+    def keys(self, values: NDArray[np.floating]) -> NDArray[np.int64]:
+        """``a < b`` exactly when ``key(a) < key(b)`` (``-0.0`` and ``0.0`` share key 0)."""
+        signed = np.int32 if self.bits == 32 else np.int64
+        bits = np.asarray(values, dtype=self.dtype).view(signed).astype(np.int64)
+        magnitude = bits & (2 ** (self.bits - 1) - 1)
+        return np.where(bits < 0, -magnitude, bits)
+
+    def floats(self, keys: NDArray[np.int64]) -> NDArray[np.floating]:
+        """The floats of ``keys``; a negative float's bits are its magnitude and the sign bit."""
+        if self.bits == 32:
+            return np.where(keys < 0, -keys - 2**31, keys).astype(np.int32).view(np.float32)
+        return np.where(keys < 0, -keys | np.int64(-(2**63)), keys).view(np.float64)
+
+    def reached(self, keys: NDArray[np.int64], targets: NDArray[np.floating]) -> NDArray[np.bool_]:
+        """Whether the float of each key falls in its target bin or a later one."""
+        offsets = (self.floats(keys) * self.half - self.half_lo) * self.scale
+        reached: NDArray[np.bool_] = np.clip(offsets, 0, self.top) >= targets
+        return reached
+
+
+def histogram_edges(
+    lo: float, hi: float, scale: float, bins: int, *, float64: bool = False
+) -> list[float]:
+    """The ``bins + 1`` edges of a histogram: ``lo``, the threshold of each later bin, ``hi``.
+
+    Args:
+        lo: The grid's lower end, as the device computed it (``histogram_counts``' first value).
+        hi: Its upper end (the second value).
+        scale: ``bins / (hi / 2 - lo / 2)`` as the device computed it (the third value).
+        bins: Number of bins.
+        float64: Whether the device worked in float64 (float64 input); float32 otherwise.
+
+    Returns:
+        The edges as Python floats, non-decreasing, so that ``numpy.histogram(x, bins=edges)``
+        gives the device's counts; all NaN when ``lo`` or ``hi`` is not finite (no finite entry).
+
+    Each inner threshold is searched from a bracket of 256 floats around its nominal value
+    ``lo + (hi - lo) * i / bins``, which holds it unless rounding moved it further (near zero,
+    where floats are dense, it may), then from all of ``[lo, hi]``: ``bin_of(lo)`` is 0 and
+    ``(hi - lo) * scale`` rounds to within a few epsilons of ``bins``, so ``hi`` reaches the last
+    bin. Only the brackets still wider than one float take another step.
+    """
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return [math.nan] * (bins + 1)
+    floats = _Floats(np.float64 if float64 else np.float32, lo, scale, bins)
+    dtype = floats.dtype
+    targets = np.arange(1, bins, dtype=dtype)
+    first, last = floats.keys(np.array([lo]))[0], floats.keys(np.array([hi]))[0]
+    half_span = dtype(hi) * floats.half - floats.half_lo
+    nominal = (floats.half_lo + half_span * (targets / dtype(bins))) * dtype(2)
+    guess = floats.keys(nominal)
+    low = np.clip(guess - _WAYS // 2, first, last)
+    high = np.clip(guess + _WAYS // 2, first, last)
+    valid = ~floats.reached(low, targets) & floats.reached(high, targets)
+    low, high = np.where(valid, low, first), np.where(valid, high, last)
+    _search(floats, targets, low, high)
+    return [float(lo), *floats.floats(high).astype(np.float64).tolist(), float(hi)]
+
+
+def _search(
+    floats: _Floats, targets: NDArray[np.floating], low: NDArray[np.int64], high: NDArray[np.int64]
+) -> None:
+    """Narrow every bracket ``(low, high]`` in place to the first key that reaches its target.
+
+    Requires ``not reached(low) and reached(high)``. Float64 brackets are halved until a width
+    times the probe count fits in an int64, then cut into ``_WAYS`` parts per step.
+    """
+    fits = 63 - _WAY_BITS
+    halvings = max(0, floats.bits - fits)
+    fractions = np.arange(1, _WAYS, dtype=np.int64)
+    todo = np.arange(targets.size)
+    for step in range(halvings + -(-min(floats.bits, fits) // _WAY_BITS) + 1):
+        todo = todo[low[todo] + 1 < high[todo]]  # high - low may overflow an int64
+        if todo.size == 0:
+            return
+        bottom, top, wanted = low[todo], high[todo], targets[todo]
+        if step < halvings:
+            middle = (bottom >> 1) + (top >> 1) + (bottom & top & 1)  # floor of the mean, exact
+            up = floats.reached(middle, wanted)
+            low[todo], high[todo] = np.where(up, bottom, middle), np.where(up, middle, top)
+            continue
+        inner = bottom[:, None] + (((top - bottom)[:, None] * fractions) >> _WAY_BITS)
+        short = (~floats.reached(inner, wanted[:, None])).sum(axis=1)  # probes below the bin
+        probes = np.concatenate([bottom[:, None], inner, top[:, None]], axis=1)
+        rows = np.arange(todo.size)
+        low[todo], high[todo] = probes[rows, short], probes[rows, short + 1]
