@@ -8,9 +8,9 @@ than the 1 % an unsampled step may cost. Here two copies of the same workload (s
 weights, same batches) live in one process: one plain, one observed (default profile, run
 directory). Each round runs one step of each configuration: plain, observed but not sampled,
 observed and sampled, in an order that rotates every round, so that drift and what a step
-leaves behind (caches, the writer thread) fall on every configuration alike. Step time is the
-thread's CPU time (``time.thread_time``): the writer thread and the scheduler's other tenants
-are not in it, preemption is not in it, the training thread's work is.
+leaves behind (caches, the writer thread) fall on every configuration alike. Step time is wall
+time (``time.perf_counter``): what the training loop waits, including any wait for the GIL
+while the run directory's writer thread works.
 
 Reported: each configuration's median step; each ratio as the median of the per-round ratios,
 with the interquartile range of those ratios. The sampled step carries everything a sample
@@ -87,7 +87,7 @@ def main() -> None:
     print(f"{WORKLOADS[args.workload].description}; {args.threads} thread(s), {args.rounds} rounds")
     print(f"observed with the {quartiles}, run directory")
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}\n")
-    print("| configuration | median step, CPU time (ms) | ratio to plain, median of rounds | IQR |")
+    print("| configuration | median step (ms) | ratio to plain, median of rounds | IQR of ratios |")
     print("|---|---|---|---|")
     for name in CONFIGURATIONS:
         median = statistics.median(times[name]) * 1000
