@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import math
 from functools import cached_property
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 CHUNK_SIZE = 2**22
 """Elements per chunk: 16 MiB of float32 temporaries at most, and exact float32 chunk counts."""
@@ -121,6 +124,19 @@ class PreparedTensor:
             los.append(torch.where(mask, chunk, math.inf).amin())
             his.append(torch.where(mask, chunk, -math.inf).amax())
         return torch.stack(los).amin(), torch.stack(his).amax()
+
+    def chunks(self, chunk_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Views of ``chunk_size`` values with their finite mask (``None`` when known finite).
+
+        Raises:
+            ValueError: If ``chunk_size`` is not positive.
+        """
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        mask = None if self.all_finite else self.finite
+        for start in range(0, self.numel, chunk_size):
+            stop = start + chunk_size
+            yield self.values[start:stop], None if mask is None else mask[start:stop]
 
 
 @runtime_checkable

@@ -18,16 +18,19 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from torchinstruments_core.reducers._edges import histogram_edges
+from torchinstruments_core.reducers._binning import (
+    HISTOGRAM_CHUNK_SIZE,
+    count_sorted,
+    histogram,
+    histogram_counts,
+    split_histogram,
+)
 from torchinstruments_core.reducers.base import CHUNK_SIZE
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Sequence
 
     from torchinstruments_core.reducers.base import PreparedTensor
-
-HISTOGRAM_CHUNK_SIZE = CHUNK_SIZE // 4
-"""Binning holds about four chunk-sized temporaries, so its chunks are a quarter as long."""
 
 MOMENT_METRICS = (
     "mean",
@@ -53,18 +56,6 @@ class _Partial(NamedTuple):
     size: torch.Tensor
     mean: torch.Tensor
     m2: torch.Tensor
-
-
-def _chunks(
-    prepared: PreparedTensor, chunk_size: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Yield views of the values with their finite mask, or ``None`` when all are known finite."""
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    mask = None if prepared.all_finite else prepared.finite
-    for start in range(0, prepared.numel, chunk_size):
-        stop = start + chunk_size
-        yield prepared.values[start:stop], None if mask is None else mask[start:stop]
 
 
 _SQUARES_BLOCK = 2**17
@@ -106,10 +97,10 @@ def _host_moments(prepared: PreparedTensor, chunk_size: int) -> torch.Tensor | N
         # shift by the mean rounded to the working dtype, then correct for the rounding
         shift = float(torch.tensor(mean, dtype=prepared.values.dtype))
         squares = sum(
-            float((chunk - shift).square_().sum()) for chunk, _ in _chunks(prepared, chunk_size)
+            float((chunk - shift).square_().sum()) for chunk, _ in prepared.chunks(chunk_size)
         )
         m2 = max(squares - count * (mean - shift) ** 2, 0.0)
-    zeros = sum(_zero_count(chunk) for chunk, _ in _chunks(prepared, chunk_size))
+    zeros = sum(_zero_count(chunk) for chunk, _ in prepared.chunks(chunk_size))
     lo, hi = (float(bound) for bound in prepared.finite_range)
     variance = m2 / count
     values = [
@@ -196,7 +187,7 @@ def moments(prepared: PreparedTensor, *, chunk_size: int = CHUNK_SIZE) -> torch.
     dtype = prepared.values.dtype
     partials: list[_Partial] = []
     zeros = torch.zeros((), dtype=torch.int64, device=prepared.device)
-    for chunk, mask in _chunks(prepared, chunk_size):
+    for chunk, mask in prepared.chunks(chunk_size):
         partials.append(_chunk_partial(chunk, mask))
         zeros += _zero_count(chunk)
     size, mean, m2 = _combine(partials)
@@ -330,174 +321,15 @@ def _sort(values: torch.Tensor) -> torch.Tensor:
     return torch.sort(values).values
 
 
-class _Grid(NamedTuple):
-    """The bins over ``[lo, hi]``: an entry ``x`` goes to bin ``offset(x)`` truncated.
-
-    The offset is ``(x * 0.5 - lo * 0.5) * scale``: halves cannot overflow where ``hi - lo``
-    would, and close values subtract exactly. The top value ``bins`` (reached only by the max,
-    up to rounding) joins the last bin. Each rounded operation is non-decreasing, so the bin is
-    too, and ``_edges.histogram_edges`` finds the first float of each bin from ``lo``, ``hi`` and
-    ``scale`` alone. Every device runs the same operations, so CPU and CUDA give the same bins.
-    """
-
-    lo: torch.Tensor
-    hi: torch.Tensor
-    half_lo: torch.Tensor
-    scale: torch.Tensor
-    bins: int
-
-    def offset(self, values: torch.Tensor) -> torch.Tensor:
-        """A float in ``[0, bins]`` for finite entries, whose integer part is the bin."""
-        return torch.mul(values, 0.5).sub_(self.half_lo).mul_(self.scale)
-
-
-def _grid(lo: torch.Tensor, hi: torch.Tensor, bins: int) -> _Grid:
-    """The grid over ``[lo, hi]``, widened when too narrow for ``bins`` bins of finite width."""
-    finfo = torch.finfo(lo.dtype)
-    # a constant tensor, or a range so small that bins / span would overflow: widen by 0.5 as
-    # documented, or by one relative epsilon where |v| is too large for 0.5 to change v
-    narrow = (hi - lo) < 4 * bins / finfo.max
-    width = torch.maximum(lo.abs(), hi.abs()) * finfo.eps
-    pad = torch.where(narrow, width.clamp(min=0.5), 0)
-    low, high = lo - pad, hi + pad
-    # at the ends of the float range, widen inward instead of overflowing
-    lo, hi = (
-        torch.where(high.isinf(), lo - 2 * pad, torch.where(low.isinf(), lo, low)),
-        torch.where(high.isinf(), hi, torch.where(low.isinf(), hi + 2 * pad, high)),
-    )
-    half_lo = lo * 0.5
-    return _Grid(lo, hi, half_lo, bins / (hi * 0.5 - half_lo), bins)
-
-
-def count_sorted(index: torch.Tensor, n_buckets: int) -> torch.Tensor:
-    """Count the occurrences of ``0 .. n_buckets - 1`` in ``index`` by sorting, as int64.
-
-    ``index_add_`` and ``scatter_add_`` raise on CUDA under
-    ``torch.use_deterministic_algorithms(True)``; sorting and ``searchsorted`` do not, and give the
-    same counts.
-    """
-    ordered = torch.sort(index).values
-    boundaries = torch.arange(n_buckets + 1, dtype=index.dtype, device=index.device)
-    return torch.searchsorted(ordered, boundaries).diff()
-
-
-def _count(index: torch.Tensor, n_buckets: int) -> torch.Tensor:
-    """Count the occurrences of ``0 .. n_buckets - 1`` in ``index``, as int64."""
-    if index.device.type == "cpu":
-        return torch.bincount(index, minlength=n_buckets)  # int32 input: 40 % over index_add_
-    if index.is_cuda and torch.are_deterministic_algorithms_enabled():
-        return count_sorted(index, n_buckets)
-    # bincount reads the index's min and max on the host there: a device sync
-    counts = torch.zeros(n_buckets, dtype=torch.int64, device=index.device)
-    ones = torch.ones((), dtype=torch.int64, device=index.device).expand(index.numel())
-    return counts.index_add_(0, index, ones)
-
-
-def _bucket_index(chunk: torch.Tensor, mask: torch.Tensor | None, grid: _Grid) -> torch.Tensor:
-    """The int32 bucket of each entry: its bin, or ``bins`` for the max (folded later).
-
-    With a mask, bucket 0 holds the non-finite entries and bin ``i`` is bucket ``i + 1``.
-    """
-    offsets = grid.offset(chunk)
-    if mask is None:
-        return offsets.to(torch.int32)
-    return offsets.masked_fill_(mask.logical_not(), -1).to(torch.int32).add_(1)
-
-
-def _bin_counts(prepared: PreparedTensor, grid: _Grid, chunk_size: int) -> torch.Tensor:
-    """The int64 counts of the finite entries in each bin of the grid."""
-    masked = int(not prepared.all_finite)
-    buckets = masked + grid.bins + 1
-    counts = torch.zeros(buckets, dtype=torch.int64, device=prepared.device)
-    for chunk, mask in _chunks(prepared, chunk_size):
-        counts += _count(_bucket_index(chunk, mask, grid), buckets)
-    # with a mask, bucket 0 collected the non-finite entries; the top bucket joins the last bin
-    counts = counts[masked:]
-    return torch.cat([counts[:-2], (counts[-2] + counts[-1]).reshape(1)])
-
-
-def histogram_counts(
-    prepared: PreparedTensor, bins: int = 64, *, chunk_size: int = HISTOGRAM_CHUNK_SIZE
-) -> torch.Tensor:
-    """A ``bins``-bin histogram of the finite entries over their ``[min, max]``, without edges.
-
-    Everything that touches the data, on its device without a host sync; ``histogram_edges``
-    turns the first three values into the edges on the host. An entry's bin is
-    ``(x - min) * bins / (max - min)`` truncated (computed as ``(x/2 - min/2) * scale``), with no
-    comparison to an edge. A constant tensor gets the range ``[v - 0.5, v + 0.5]`` (wider where
-    ``v +- 0.5`` would round to ``v``; inward at the ends of the float range), and so does a
-    range too narrow for bins of finite width. Counts are exact int64 until packed into the
-    working dtype (exact up to 2**24 per bin in float32). On the CPU an all-finite tensor is
-    binned without a mask.
-
-    Args:
-        prepared: The tensor to reduce.
-        bins: Number of bins.
-        chunk_size: Elements per chunk; it bounds the temporary memory.
-
-    Returns:
-        A tensor of ``bins + 4`` values in the working dtype: the grid's ``lo``, ``hi`` and
-        ``scale`` (NaN when there is no finite entry), ``bins`` counts, then the number of
-        non-finite entries.
-
-    Raises:
-        ValueError: If ``bins`` is not positive.
-    """
-    if bins < 1:
-        raise ValueError(f"bins must be a positive int, got {bins!r}")
-    dtype = prepared.values.dtype
-    grid = _grid(*prepared.finite_range, bins)
-    counts = _bin_counts(prepared, grid, chunk_size)
-    present = prepared.n_finite > 0
-    parameters = torch.where(present, torch.stack([grid.lo, grid.hi, grid.scale]), math.nan)
-    nonfinite = prepared.numel - prepared.n_finite
-    return torch.cat([parameters, counts.to(dtype), nonfinite.to(dtype).reshape(1)])
-
-
-def split_histogram(
-    packed: Sequence[float], bins: int, *, float64: bool = False
-) -> tuple[list[float], list[float], float]:
-    """The edges, counts and non-finite count of a ``histogram_counts`` result read on the host.
-
-    Args:
-        packed: The ``bins + 4`` values, as host floats.
-        bins: Number of bins.
-        float64: Whether the histogram was computed in float64 (float64 input).
-    """
-    lo, hi, scale = packed[0], packed[1], packed[2]
-    edges = histogram_edges(lo, hi, scale, bins, float64=float64)
-    return edges, list(packed[3 : 3 + bins]), packed[3 + bins]
-
-
-def histogram(
-    prepared: PreparedTensor, bins: int = 64, *, chunk_size: int = HISTOGRAM_CHUNK_SIZE
-) -> torch.Tensor:
-    """A ``bins``-bin histogram of the finite entries over their ``[min, max]``, packed flat.
-
-    ``histogram_counts`` with the edges filled in: bins are half-open ``[e_i, e_i+1)`` except the
-    last, which includes the max, so the counts equal ``numpy.histogram(x, bins=edges)`` exactly.
-    The edges are even up to rounding: each inner edge is the first float that the binning puts
-    in its bin (a bisection over the floats for all edges at once, not over the data).
-
-    This reads the grid's three numbers on the host, which waits for an accelerator; the engine
-    runs ``histogram_counts`` on the device instead and finds the edges after the sample's
-    single transfer.
-
-    Args:
-        prepared: The tensor to reduce.
-        bins: Number of bins.
-        chunk_size: Elements per chunk; it bounds the temporary memory.
-
-    Returns:
-        A tensor of ``2 * bins + 2`` values in the working dtype: ``bins + 1`` edges (NaN when
-        there is no finite entry), ``bins`` counts, then the number of non-finite entries.
-
-    Raises:
-        ValueError: If ``bins`` is not positive.
-    """
-    packed = histogram_counts(prepared, bins, chunk_size=chunk_size)
-    float64 = packed.dtype == torch.float64
-    lo, hi, scale = packed[:3].tolist()
-    edges = histogram_edges(lo, hi, scale, bins, float64=float64)
-    edge_tensor = torch.tensor(edges, dtype=packed.dtype, device=packed.device)
-    return torch.cat([edge_tensor, packed[3:]])
+__all__ = [
+    "DEFAULT_QUANTILES",
+    "DEFAULT_SAMPLE_SIZE",
+    "HISTOGRAM_CHUNK_SIZE",
+    "MOMENT_METRICS",
+    "count_sorted",
+    "histogram",
+    "histogram_counts",
+    "moments",
+    "quantiles",
+    "split_histogram",
+]
