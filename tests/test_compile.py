@@ -153,11 +153,14 @@ def test_compiled_lightning_module_is_observed(tmp_path: pathlib.Path) -> None:
 @pytest.mark.slow
 def test_inductor_compiled_model_matches_eager() -> None:
     """With the default inductor backend the statistics still equal the eager model's."""
+    from torch._inductor import config
+
     eager_model = _model()
     compiled = torch.compile(copy.deepcopy(eager_model))
     sink, eager_sink = RecordingSink(), RecordingSink()
     x = torch.randn(8, 16)
     with (
+        config.patch(compile_threads=1),  # no process-wide pool of compile workers left behind
         inject_observer(compiled, sink=sink) as observer,
         inject_observer(eager_model, sink=eager_sink) as eager_observer,
     ):

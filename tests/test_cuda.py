@@ -104,6 +104,7 @@ def test_cuda_statistics_agree_with_the_cpu() -> None:
 def test_compiled_model_on_cuda_is_observed_without_recompiling() -> None:
     """An inductor-compiled CUDA model: eager statistics, and one compile for all steps."""
     from torch._dynamo.utils import counters
+    from torch._inductor import config
 
     torch._dynamo.reset()
     eager_model = _model().cuda()
@@ -112,6 +113,7 @@ def test_compiled_model_on_cuda_is_observed_without_recompiling() -> None:
     x = torch.randn(8, 10, 32, device="cuda")
     graphs = []
     with (
+        config.patch(compile_threads=1),  # no process-wide pool of compile workers left behind
         inject_observer(compiled, sink=sink) as observer,
         inject_observer(eager_model, sink=eager_sink) as eager_observer,
     ):
