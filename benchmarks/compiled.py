@@ -2,19 +2,23 @@
 
     uv run python benchmarks/compiled.py [--workload transformer] [--backend inductor] [--steps 12]
 
-Three configurations of the same workload, each in a fresh dynamo state: the compiled model
-alone; ``inject_observer(torch.compile(model))`` (the observer on the compiled module); and
-``torch.compile(model)`` after ``inject_observer(model)`` (the observer's root hooks inside the
-compiled code). Steps alternate between sampled and unsampled through ``begin_step``, as the
-trainer adapters drive it. Reported per configuration: graphs compiled, graph breaks (dynamo's
-counters), graphs compiled after the first two steps (recompiles caused by sampling), and the
-median unsampled and sampled step (CPU time of the training thread) against the compiled model's.
+Configurations of the same workload, each in its own process: the compiled model alone;
+``inject_observer(torch.compile(model))`` (the observer on the compiled module), never sampling
+and sampling every other step; and ``torch.compile(model)`` after ``inject_observer(model)``
+(the observer's root hooks inside the compiled code), sampling every other step. Steps are driven
+through ``begin_step``, as the trainer adapters drive them. Reported per configuration: graphs
+compiled, graph breaks (dynamo's counters), graphs compiled after the first two steps
+(recompiles caused by sampling), and the median unsampled and sampled step (wall time) against
+the compiled model's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -24,9 +28,10 @@ import torch
 from _overhead_workloads import WORKLOADS, build
 
 CONFIGURATIONS = {
-    "compiled": "torch.compile(model), no observer",
-    "observe-compiled": "inject_observer(torch.compile(model))",
-    "compile-observed": "inject_observer(model), then torch.compile(model)",
+    "compiled": "`torch.compile(model)`, no observer",
+    "observe-compiled-never": "`inject_observer(torch.compile(model))`, never sampling",
+    "observe-compiled": "`inject_observer(torch.compile(model))`, every other step",
+    "compile-observed": "`inject_observer(model)`, then `torch.compile(model)`, every other step",
 }
 
 
@@ -42,13 +47,13 @@ def _run(configuration: str, args: argparse.Namespace, folder: Path) -> dict[str
     if configuration == "compile-observed":
         observer = inject_observer(workload.model, output_dir=folder / configuration)
     workload.model = torch.compile(workload.model, backend=args.backend)
-    if configuration == "observe-compiled":
+    if configuration.startswith("observe-compiled"):
         observer = inject_observer(workload.model, output_dir=folder / configuration)
     graphs_after_warmup = 0
     times: dict[bool, list[float]] = {True: [], False: []}
     for step in range(args.steps):
-        sampled = step % 2 == 0
-        started = time.thread_time()
+        sampled = observer is not None and step % 2 == 0 and not configuration.endswith("never")
+        started = time.perf_counter()
         if observer is not None:
             observer.begin_step(step, sample=sampled)
         workload.step()
@@ -57,10 +62,9 @@ def _run(configuration: str, args: argparse.Namespace, folder: Path) -> dict[str
         if args.device == "cuda":
             torch.cuda.synchronize()
         if step >= 2:
-            times[sampled].append(time.thread_time() - started)
+            times[sampled].append(time.perf_counter() - started)
         if step == 1:
             graphs_after_warmup = counters["stats"]["unique_graphs"]
-        print(f"{configuration}: step {step + 1}/{args.steps}", file=sys.stderr, end="\r")
     if observer is not None:
         observer.remove()
     return {
@@ -68,7 +72,7 @@ def _run(configuration: str, args: argparse.Namespace, folder: Path) -> dict[str
         "breaks": sum(counters["graph_break"].values()),
         "recompiled": counters["stats"]["unique_graphs"] - graphs_after_warmup,
         "unsampled": statistics.median(times[False]) * 1000,
-        "sampled": statistics.median(times[True]) * 1000,
+        "sampled": statistics.median(times[True]) * 1000 if times[True] else math.nan,
     }
 
 
@@ -79,11 +83,19 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--child", choices=sorted(CONFIGURATIONS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as folder:
-        results = {name: _run(name, args, Path(folder)) for name in CONFIGURATIONS}
-    print(file=sys.stderr)
+    if args.child is not None:  # one configuration, in a fresh process
+        with tempfile.TemporaryDirectory() as folder:
+            print(json.dumps(_run(args.child, args, Path(folder))))
+        return
+    results = {}
+    for name in CONFIGURATIONS:
+        child = [sys.executable, __file__, "--child", name, *sys.argv[1:]]
+        output = subprocess.run(child, check=True, capture_output=True, text=True).stdout
+        results[name] = json.loads(output.strip().splitlines()[-1])
+        print(f"{name}: done", file=sys.stderr)
     print(f"{WORKLOADS[args.workload].description}; backend {args.backend}, {args.device}")
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.steps} steps\n")
     print(
@@ -94,7 +106,7 @@ def main() -> None:
     base = results["compiled"]["unsampled"]
     for name, result in results.items():
         unsampled = f"{result['unsampled']:.1f} ({result['unsampled'] / base:.2f}x)"
-        sampled = "-" if name == "compiled" else f"{result['sampled']:.1f}"
+        sampled = "-" if math.isnan(result["sampled"]) else f"{result['sampled']:.1f}"
         print(
             f"| {CONFIGURATIONS[name]} | {result['graphs']:.0f} | {result['breaks']:.0f} "
             f"| {result['recompiled']:.0f} | {unsampled} | {sampled} |"
