@@ -1,6 +1,6 @@
 """The overhead targets, measured step against step in one process: unsampled and sampled steps.
 
-    uv run python benchmarks/paired.py [--workload transformer] [--rounds 40]
+    uv run python benchmarks/paired.py [--workload transformer] [--rounds 40] [--compile]
 
 ``overhead.py`` gives every configuration a fresh process, which is right for memory and for
 comparing tools, but on a shared machine the speed of two processes can differ by 10 %, more
@@ -11,6 +11,9 @@ observed and sampled, in an order that rotates every round, so that drift and wh
 leaves behind (caches, the writer thread) fall on every configuration alike. Step time is wall
 time (``time.perf_counter``): what the training loop waits, including any wait for the GIL
 while the run directory's writer thread works.
+
+With ``--compile`` both copies are ``torch.compile``d (inductor) and the observed one is
+observed as ``inject_observer(torch.compile(model))``.
 
 Reported: each configuration's median step; each ratio as the median of the per-round ratios,
 with the interquartile range of those ratios. The sampled step carries everything a sample
@@ -61,6 +64,9 @@ def main() -> None:
         "--exact-quartiles", action="store_true", help="QuantileReducer(exact=True): sort it all"
     )
     parser.add_argument("--sink", choices=["run-directory", "recording"], default="run-directory")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile both models; observe the compiled"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -68,6 +74,9 @@ def main() -> None:
 
     device = torch.device("cpu")
     plain, observed = build(args.workload, device), build(args.workload, device)
+    if args.compile:
+        plain.model = torch.compile(plain.model)  # type: ignore[assignment]
+        observed.model = torch.compile(observed.model)  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as folder:
         reducers = [MomentsReducer(), QuantileReducer(exact=True)] if args.exact_quartiles else None
         observer = inject_observer(
@@ -85,7 +94,8 @@ def main() -> None:
     print(file=sys.stderr)
     quartiles = "exact quartiles" if args.exact_quartiles else "default profile"
     print(f"{WORKLOADS[args.workload].description}; {args.threads} thread(s), {args.rounds} rounds")
-    print(f"observed with the {quartiles}, run directory")
+    compiled = ", both models compiled (inductor)" if args.compile else ""
+    print(f"observed with the {quartiles}, {args.sink}{compiled}")
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}\n")
     print("| configuration | median step (ms) | ratio to plain, median of rounds | IQR of ratios |")
     print("|---|---|---|---|")
