@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from torchinstruments_core.testing import RecordingSink
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torchinstruments_core import Observer
 
 
 class CountingReducer:
@@ -51,3 +58,29 @@ def rows_of(sink: RecordingSink, sample_id: int | None = None) -> list[tuple[str
             for row in sample.rows:
                 seen[(row.layer, row.call_index, str(row.signal), row.tensor_path)] = None
     return list(seen)
+
+
+def values_by_row(sink: RecordingSink) -> dict[tuple[int, str, str, str, str], float | None]:
+    """Every recorded value, keyed by sample id, layer, signal, tensor path and metric."""
+    return {
+        (sample.sample_id, row.layer, str(row.signal), row.tensor_path, row.metric): row.value
+        for sample in sink.samples
+        for row in sample.rows
+    }
+
+
+def train_side_by_side(
+    pairs: list[tuple[Observer, nn.Module]],
+    x: torch.Tensor,
+    steps: int,
+    sampled: Callable[[int], bool],
+    after_step: Callable[[int], None] | None = None,
+) -> None:
+    """Step every ``(observer, model)`` pair on ``x``; ``sampled(step)`` picks the sampled steps."""
+    for step in range(steps):
+        for observer, model in pairs:
+            observer.begin_step(step, sample=sampled(step))
+            model(x).square().mean().backward()
+            observer.end_step()
+        if after_step is not None:
+            after_step(step)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import train_side_by_side, values_by_row
 from torchinstruments_core import inject_observer
 from torchinstruments_core.testing import RecordingSink
 
@@ -62,14 +63,6 @@ def _model() -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def _values(sink: RecordingSink) -> dict[tuple[int, str, str, str], float | None]:
-    return {
-        (sample.sample_id, row.layer, str(row.signal), row.metric): row.value
-        for sample in sink.samples
-        for row in sample.rows
-    }
-
-
 @pytest.mark.parametrize("order", ["observe_the_compiled_model", "compile_the_observed_model"])
 def test_compiled_model_is_observed_like_the_eager_one_without_recompiling(order: str) -> None:
     """Every statistic equals the eager model's; after the first two steps nothing compiles.
@@ -102,7 +95,7 @@ def test_compiled_model_is_observed_like_the_eager_one_without_recompiling(order
     unsampled_calls = [calls[i] - calls[i - 1] for i in range(3, 8, 2)]
     assert all(count > 0 for count in unsampled_calls), calls
     assert [s.step for s in sink.samples] == [0, 2, 4, 6]
-    expected, observed = _values(eager_sink), _values(sink)
+    expected, observed = values_by_row(eager_sink), values_by_row(sink)
     assert observed.keys() == expected.keys()
     assert len(observed) > 100
     for key, value in expected.items():
@@ -126,9 +119,9 @@ def test_sampler_driven_forwards_of_a_compiled_model_are_observed() -> None:
             compiled(x).sum().backward()
             eager_model(x).sum().backward()
     assert len(sink.samples) == 2
-    expected = _values(eager_sink)
-    assert _values(sink).keys() == expected.keys()
-    for key, value in _values(sink).items():
+    expected = values_by_row(eager_sink)
+    assert values_by_row(sink).keys() == expected.keys()
+    for key, value in values_by_row(sink).items():
         assert value == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
 
 
@@ -164,13 +157,10 @@ def test_inductor_compiled_model_matches_eager() -> None:
         inject_observer(compiled, sink=sink) as observer,
         inject_observer(eager_model, sink=eager_sink) as eager_observer,
     ):
-        for step in range(3):
-            for obs, net in ((observer, compiled), (eager_observer, eager_model)):
-                obs.begin_step(step, sample=step != 1)
-                net(x).square().mean().backward()
-                obs.end_step()
-    expected = _values(eager_sink)
-    for key, value in _values(sink).items():
+        pairs = [(observer, compiled), (eager_observer, eager_model)]
+        train_side_by_side(pairs, x, 3, lambda step: step != 1)
+    expected = values_by_row(eager_sink)
+    for key, value in values_by_row(sink).items():
         assert value == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import train_side_by_side, values_by_row
 from torchinstruments_core import inject_observer
 from torchinstruments_core.adapter import loss_scale_reader
 from torchinstruments_core.testing import RecordingSink
@@ -24,14 +25,6 @@ def _model() -> nn.Module:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
     return nn.Sequential(nn.Linear(32, 64), nn.TransformerEncoder(layer, 2), nn.Linear(64, 8))
-
-
-def _values(sink: RecordingSink) -> dict[tuple[int, str, str, str, str], float | None]:
-    return {
-        (s.sample_id, r.layer, str(r.signal), r.tensor_path, r.metric): r.value
-        for s in sink.samples
-        for r in s.rows
-    }
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16", "float16"])
@@ -91,7 +84,7 @@ def test_cuda_statistics_agree_with_the_cpu() -> None:
     for name, model, batch in (("cpu", cpu_model, x), ("cuda", cuda_model, x.cuda())):
         with inject_observer(model, sink=sinks[name]):
             model(batch).square().mean().backward()
-    cpu, cuda = _values(sinks["cpu"]), _values(sinks["cuda"])
+    cpu, cuda = values_by_row(sinks["cpu"]), values_by_row(sinks["cuda"])
     assert cpu.keys() == cuda.keys()
     for key, value in cpu.items():
         assert cuda[key] == pytest.approx(value, rel=2e-3, abs=1e-5), key
@@ -117,15 +110,16 @@ def test_compiled_model_on_cuda_is_observed_without_recompiling() -> None:
         inject_observer(compiled, sink=sink) as observer,
         inject_observer(eager_model, sink=eager_sink) as eager_observer,
     ):
-        for step in range(6):
-            for obs, net in ((observer, compiled), (eager_observer, eager_model)):
-                obs.begin_step(step, sample=step % 2 == 0)
-                net(x).square().mean().backward()
-                obs.end_step()
-            graphs.append(counters["stats"]["unique_graphs"])
+        train_side_by_side(
+            [(observer, compiled), (eager_observer, eager_model)],
+            x,
+            6,
+            lambda step: step % 2 == 0,
+            lambda _: graphs.append(counters["stats"]["unique_graphs"]),
+        )
     assert graphs[-1] == graphs[1]
-    expected = _values(eager_sink)
-    for key, value in _values(sink).items():
+    expected = values_by_row(eager_sink)
+    for key, value in values_by_row(sink).items():
         assert value == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
 
 

@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from torchinstruments_core._layers import Layer
 
 
+def _same(function: Callable[..., None]) -> Callable[..., None]:
+    return function
+
+
 class GradientSlot:
     """The tensor hook on one observed output: hands its gradient to the observer's sample."""
 
@@ -78,10 +82,12 @@ class Attachment:
     ) -> None:
         self._model: nn.Module | None = model
         self._layers = [layer for layer in layers if layer.module is not model]
-        # compiled code calls these as they are: a graph break, never a trace of the observer
-        self._on_enter = run_eagerly(on_enter)
-        self._on_exit = run_eagerly(on_exit)
-        self._on_output = run_eagerly(on_output)
+        # Compiled code calls these as they are, never tracing the observer. Module hooks are
+        # ``Hook``s, which run eagerly already; the forward patches call the functions directly.
+        wrap = run_eagerly if direct else _same
+        self._on_enter = wrap(on_enter)
+        self._on_exit = wrap(on_exit)
+        self._on_output = wrap(on_output)
         self._direct = direct
         self._handles: list[RemovableHandle] = []
         self._armed: list[RemovableHandle] = []
