@@ -1,6 +1,7 @@
 """The overhead targets, measured step against step in one process: unsampled and sampled steps.
 
     uv run python benchmarks/paired.py [--workload transformer] [--rounds 40] [--compile]
+        [--exact-quartiles] [--sink run-directory|recording]
 
 ``overhead.py`` gives every configuration a fresh process, which is right for memory and for
 comparing tools, but on a shared machine the speed of two processes can differ by 10 %, more
@@ -18,6 +19,15 @@ observed as ``inject_observer(torch.compile(model))``.
 Reported: each configuration's median step; each ratio as the median of the per-round ratios,
 with the interquartile range of those ratios. The sampled step carries everything a sample
 costs on the training thread (hooks, reductions, the handover to the writer).
+
+The unsampled step's cost is below what whole steps can resolve here, so it is also timed
+directly: ``begin_step``, the root module's two hooks and ``end_step``, which is all an
+unsampled step runs, around a model that does nothing, against the same model unobserved.
+
+Then two more steps of each configuration run under the torch profiler
+(``testing.tensor_memory``), the second measured: its peak tensor memory above what was
+allocated when it started, what it left allocated, and the memory target: a sampled step's
+peak at most the largest activation (in float32) above the plain step's.
 """
 
 from __future__ import annotations
@@ -28,10 +38,15 @@ import statistics
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from _overhead_workloads import WORKLOADS, Workload, build
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 CONFIGURATIONS = ("plain", "unsampled", "sampled")
 
@@ -49,6 +64,82 @@ def _step(
     return time.perf_counter() - started
 
 
+def _largest_activation(workload: Workload) -> int:
+    """Bytes of the largest tensor any module of ``workload`` outputs in one step, in float32."""
+    sizes = [0]
+
+    def record(module: torch.nn.Module, inputs: object, output: object) -> None:
+        if isinstance(output, torch.Tensor):
+            sizes.append(output.numel() * 4)
+
+    handles = [m.register_forward_hook(record) for m in workload.model.modules()]
+    workload.step()
+    for handle in handles:
+        handle.remove()
+    return max(sizes)
+
+
+def _memory_table(
+    plain: Workload, observed: Workload, observer: object, step: int, largest: int
+) -> None:
+    """Peak and net tensor memory of a profiled step per configuration, against the target."""
+    from torchinstruments_core.testing import tensor_memory
+
+    mib = 2**20
+    print("\n| configuration | peak tensor memory of the step (MiB) | left allocated (MiB) |")
+    print("|---|---|---|")
+    peaks = {}
+    for offset, name in enumerate(CONFIGURATIONS):
+        # twice: a first profiled step cannot see the frees of tensors allocated before it
+        for repeat in range(2):
+            memory = tensor_memory(
+                lambda name=name, at=step + 2 * offset + repeat: _step(
+                    name, plain, observed, observer, at
+                )
+            )
+        peaks[name] = memory.peak
+        print(f"| {name} | {memory.peak / mib:.1f} | {memory.net / mib:.1f} |")
+    added = peaks["sampled"] - peaks["plain"]
+    verdict = "met" if added <= largest else "NOT met"
+    print(
+        f"\nsampled peak - plain peak: {added / mib:.1f} MiB; largest activation in float32: "
+        f"{largest / mib:.1f} MiB; target {verdict}"
+    )
+
+
+def _unsampled_cost(plain_step_s: float, repeats: int) -> None:
+    """What the observer adds to an unsampled step, timed on a model that does nothing.
+
+    An unsampled step runs ``begin_step``, the root module's two hooks and ``end_step``; no
+    per-module hook is registered. Their cost does not depend on the model, so timing them
+    around ``nn.Identity`` measures it to the microsecond, which whole steps cannot here.
+    """
+    from torchinstruments_core import inject_observer
+    from torchinstruments_core.testing import RecordingSink
+
+    plain, observed = torch.nn.Identity(), torch.nn.Identity()
+    observer = inject_observer(observed, sink=RecordingSink())
+    example = torch.ones(1)
+    counter = iter(range(10**9))
+
+    def observed_step() -> None:
+        observer.begin_step(next(counter), sample=False)
+        observed(example)
+        observer.end_step()
+
+    def best(step: Callable[[], object]) -> float:
+        return min(timeit.repeat(step, number=repeats, repeat=5)) / repeats
+
+    plain_s, observed_s = best(lambda: plain(example)), best(observed_step)
+    observer.remove()
+    added = observed_s - plain_s
+    print(
+        f"\nunsampled step, observer's own time (begin_step, root hooks, end_step; best of 5 x "
+        f"{repeats}): {added * 1e6:.1f} us, {1 + added / plain_step_s:.6f}x of the median "
+        "plain step"
+    )
+
+
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
     q1, q2, q3 = statistics.quantiles(values, n=4)
     return q1, q2, q3
@@ -61,6 +152,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
+        "--probe-repeats", type=int, default=20000, help="timed calls for the unsampled cost"
+    )
+    parser.add_argument(
         "--exact-quartiles", action="store_true", help="QuantileReducer(exact=True): sort it all"
     )
     parser.add_argument("--sink", choices=["run-directory", "recording"], default="run-directory")
@@ -71,6 +165,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from torchinstruments_core import MomentsReducer, QuantileReducer, inject_observer
+    from torchinstruments_core.testing import RecordingSink
 
     device = torch.device("cpu")
     plain, observed = build(args.workload, device), build(args.workload, device)
@@ -79,9 +174,12 @@ def main() -> None:
         observed.model = torch.compile(observed.model)  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as folder:
         reducers = [MomentsReducer(), QuantileReducer(exact=True)] if args.exact_quartiles else None
-        observer = inject_observer(
-            observed.model, output_dir=Path(folder) / "run", reducers=reducers
+        destination = (
+            {"sink": RecordingSink()}
+            if args.sink == "recording"
+            else {"output_dir": Path(folder) / "run"}
         )
+        observer = inject_observer(observed.model, reducers=reducers, **destination)
         times: dict[str, list[float]] = {name: [] for name in CONFIGURATIONS}
         for index in range(args.warmup + args.rounds):
             order = CONFIGURATIONS[index % 3 :] + CONFIGURATIONS[: index % 3]
@@ -90,8 +188,18 @@ def main() -> None:
                 for name, seconds in round_times.items():
                     times[name].append(seconds)
             print(f"round {index + 1}/{args.warmup + args.rounds}", file=sys.stderr, end="\r")
+        print(file=sys.stderr)
+        _report(args, times)
+        plain_step_s = statistics.median(times["plain"])
+        _unsampled_cost(plain_step_s, args.probe_repeats)
+        _memory_table(
+            plain, observed, observer, args.warmup + args.rounds, _largest_activation(plain)
+        )
         observer.remove()  # type: ignore[attr-defined]
-    print(file=sys.stderr)
+
+
+def _report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
+    """The timing table: median steps, and the ratios to plain with their spread."""
     quartiles = "exact quartiles" if args.exact_quartiles else "default profile"
     print(f"{WORKLOADS[args.workload].description}; {args.threads} thread(s), {args.rounds} rounds")
     compiled = ", both models compiled (inductor)" if args.compile else ""

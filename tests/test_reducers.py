@@ -18,6 +18,7 @@ from torchinstruments_core.reducers import (
     Reducer,
     default_reducers,
 )
+from torchinstruments_core.reducers._host import HOST_BLOCK
 from torchinstruments_core.reducers.functional import (
     MOMENT_METRICS,
     count_sorted,
@@ -276,6 +277,7 @@ def test_constructors_reject_bad_configuration(factory: Callable[[], object], me
         (lambda p: quantiles(p, ()), "qs must be"),
         (lambda p: quantiles(p, sample_size=0), "sample_size must be"),
         (lambda p: histogram(p, 0), "bins must be"),
+        (lambda p: histogram(p, 8, chunk_size=-1), "chunk_size must be"),
         (lambda p: moments(p, chunk_size=0), "chunk_size must be"),
     ],
 )
@@ -384,6 +386,42 @@ def test_moments_of_millions_of_entries_are_accurate() -> None:
     tensor = torch.randn(5_000_000, generator=generator) * 0.02 + 0.01
     expected = _reference_moments(_as_float64(tensor))
     np.testing.assert_allclose(moments(_prepare(tensor)).numpy(), expected, rtol=1e-6, atol=1e-9)
+
+
+def test_the_blocked_host_pass_sees_every_block() -> None:
+    """The CPU's one blocked pass reads every entry of every block, the partial last one too.
+
+    A NaN in the last block, or finite entries whose block sum overflows, turn it off; the
+    masked path and ``aminmax`` then give the right answers.
+    """
+    generator = torch.Generator().manual_seed(5)
+    values = torch.randn(2 * HOST_BLOCK + HOST_BLOCK // 2 + 3, generator=generator)
+    values = values.to(torch.float64)
+    values[::7] = 0.0
+    values[HOST_BLOCK + 5] = -40.0  # the min, in the second block
+    values[-1] = 50.0  # the max, the last entry of the partial block
+    array = values.numpy()
+    summary = _prepare(values).host_summary
+    assert summary is not None
+    assert summary.total == pytest.approx(array.sum(), rel=1e-12, abs=1e-9)
+    assert summary.squares == pytest.approx(np.square(array).sum(), rel=1e-12)
+    assert (summary.lo, summary.hi, summary.zeros) == (-40.0, 50.0, np.count_nonzero(array == 0))
+
+    values[-2] = math.nan
+    prepared = _prepare(values)
+    assert prepared.host_summary is None
+    assert prepared.all_finite is False
+    np.testing.assert_allclose(
+        moments(prepared).numpy(), _reference_moments(values.numpy()), rtol=1e-12, atol=1e-12
+    )
+
+    huge = torch.full((HOST_BLOCK + 1,), 3e34)  # every entry finite, each block's sum is not
+    huge[7] = 0.0
+    prepared = _prepare(huge)
+    assert prepared.host_summary is None
+    assert prepared.all_finite is True
+    assert [float(bound) for bound in prepared.finite_range] == [0.0, pytest.approx(3e34)]
+    assert moments(prepared)[4].item() == pytest.approx(1 / huge.numel())
 
 
 @pytest.mark.parametrize(

@@ -1,14 +1,21 @@
-"""Pins the behaviour of the private autograd calls in ``_torch_private``.
+"""Pins the behaviour of the private torch calls in ``_torch_private``.
 
-If a torch release changes them, these tests fail before gradients are silently mis-correlated.
+If a torch release changes them, these tests fail before gradients are silently mis-correlated
+or memory silently mis-measured.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.utils.checkpoint as checkpoint
+from torch.profiler import ProfilerActivity, profile
 
-from torchinstruments_core._torch_private import current_graph_task_id, in_backward, queue_callback
+from torchinstruments_core._torch_private import (
+    current_graph_task_id,
+    in_backward,
+    memory_events,
+    queue_callback,
+)
 
 
 def test_graph_task_id_is_minus_one_outside_and_stable_within_a_backward() -> None:
@@ -57,3 +64,17 @@ def test_checkpoint_recomputation_runs_inside_the_backward() -> None:
         x = torch.ones(3, requires_grad=True)
         checkpoint.checkpoint(block, x, use_reentrant=reentrant).sum().backward()
         assert inside == [False, True]
+
+
+def test_profiler_memory_events_carry_every_allocation_and_free_in_order() -> None:
+    """A profiled 4 MB allocation and its free appear as +4 MB then -4 MB, after each other."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        first = torch.ones(1_000_000)
+        second = first * 2
+        del first
+        del second
+    sizes = [size for _, size in memory_events(profiler)]
+    big = [size for size in sizes if abs(size) == 4_000_000]
+    assert big == [4_000_000, 4_000_000, -4_000_000, -4_000_000]
+    times = [time for time, _ in memory_events(profiler)]
+    assert times == sorted(times)

@@ -1,22 +1,28 @@
-"""The two private autograd entry points the engine relies on, kept in one place.
+"""The private torch entry points the suite relies on, kept in one place.
 
-Both are pinned by ``tests/test_torch_private.py`` so that a torch release that changes them
-fails loudly instead of silently mis-correlating gradients.
+Each is pinned by ``tests/test_torch_private.py`` so that a torch release that changes them
+fails loudly instead of silently mis-correlating gradients or mis-measuring memory.
 
 - ``queue_callback``: run a function when the current backward pass has finished. It is how a sample
   knows that every gradient of that backward has arrived; DDP and FSDP use the same call.
 - ``in_backward``: whether the calling code runs inside an autograd graph task. A root forward
   that starts during a backward is the recomputation of activation checkpointing, not a new sample.
+- ``memory_events``: every allocation and free a profiler saw, in time order. The public
+  ``FunctionEvent`` list folds allocations into the ops that made them and drops the time of
+  each free, so peak tensor memory on the CPU, which has no allocator statistics, needs the raw
+  Kineto events (``testing.tensor_memory``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from torch.profiler import profile
 
 
 def queue_callback(callback: Callable[[], None]) -> None:
@@ -35,3 +41,15 @@ def current_graph_task_id() -> int:
 def in_backward() -> bool:
     """Whether this thread is executing a backward pass right now."""
     return current_graph_task_id() != -1
+
+
+def memory_events(profiler: profile) -> list[tuple[int, int]]:
+    """``(time_ns, bytes)`` of each allocation (positive) and free (negative), in time order.
+
+    ``profiler`` must have run with ``profile_memory=True`` and have stopped.
+    """
+    # the stubs of _KinetoEvent lack nbytes(); torch.autograd.profiler reads it the same way
+    events: list[Any] = profiler.profiler.kineto_results.events()  # type: ignore[union-attr]
+    return sorted(
+        (event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]"
+    )

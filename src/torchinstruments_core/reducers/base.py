@@ -3,8 +3,8 @@
 A reducer never leaves the device: no ``.item()``, no ``.cpu()``. It returns a 1-D tensor with one
 entry per name in ``metrics``, in the working dtype, and NaN for a value it cannot define (the
 engine turns NaN into a null with a reason). ``PreparedTensor`` holds the work shared between
-reducers (the flattened working-dtype copy, its sum, the finite mask and count, the finite range),
-computed at most once per tensor.
+reducers (the flattened working-dtype copy, its sum, the finite mask and count, the finite range,
+and on the CPU one blocked pass of host statistics), computed at most once per tensor.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ import math
 from functools import cached_property
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import numpy as np
 import torch
+
+from torchinstruments_core.reducers._host import HostSummary, summarize
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -64,7 +67,8 @@ class PreparedTensor:
         if cached is not None:
             return cached
         index = torch.randint(self.numel, (size,), generator=self.generator, device=self.device)
-        index = index.sort().values
+        # numpy's sort is 3x faster on the CPU
+        index = torch.from_numpy(np.sort(index.numpy())) if index.is_cpu else index.sort().values
         if self._index_cache is not None:
             self._index_cache[key] = index
         return index
@@ -92,17 +96,29 @@ class PreparedTensor:
         return torch.count_nonzero(self.finite)
 
     @cached_property
+    def host_summary(self) -> HostSummary | None:
+        """Sum, sum of squares, min, max and zero count, when on the CPU and every sum is finite.
+
+        One pass, block by block (``_host.summarize``); ``None`` on accelerators, where reading
+        a value would make the host wait, and where a NaN, an infinity or an overflowing sum
+        sends the reducers down the masked path.
+        """
+        if self.device.type != "cpu":
+            return None
+        return summarize(self.values)
+
+    @cached_property
     def all_finite(self) -> bool | None:
         """Whether every entry is finite, when that is free to know (CPU); ``None`` on accelerators.
 
         On the CPU a finite sum proves every entry finite (a NaN or an infinity makes the sum NaN
-        or infinite) at the cost of one vectorized pass; only a sum that is not finite, from a
-        non-finite entry or from overflow, pays for the finite mask. Asking an accelerator would
-        synchronize the host with the device, so reducers there take the masked path instead.
+        or infinite); the sums come with ``host_summary``'s pass. Only a sum that is not finite,
+        from a non-finite entry or from overflow, pays for the finite mask. Asking an accelerator
+        would synchronize the host with the device, so reducers there take the masked path.
         """
         if self.device.type != "cpu":
             return None
-        if math.isfinite(self.total):
+        if self.host_summary is not None:
             return True
         return bool(torch.count_nonzero(self.finite) == self.numel)
 
@@ -113,8 +129,12 @@ class PreparedTensor:
         Besides the finite mask (one byte per entry), masked work goes chunk by chunk, so its
         temporaries stay within ``CHUNK_SIZE`` entries.
         """
-        if self.all_finite:
-            lo, hi = torch.aminmax(self.values)
+        if self.all_finite:  # only ever true on the CPU
+            summary = self.host_summary
+            if summary is not None:
+                dtype = self.values.dtype
+                return torch.tensor(summary.lo, dtype=dtype), torch.tensor(summary.hi, dtype=dtype)
+            lo, hi = torch.aminmax(self.values)  # finite entries whose sum overflows
             return lo, hi
         los: list[torch.Tensor] = []
         his: list[torch.Tensor] = []

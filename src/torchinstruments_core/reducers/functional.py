@@ -58,41 +58,25 @@ class _Partial(NamedTuple):
     m2: torch.Tensor
 
 
-_SQUARES_BLOCK = 2**17
-"""Entries per dot product in ``_sum_of_squares``: float32 accumulation stays within ~1e-7."""
-
 _CONDITIONING = 4.0
 """``sum(x**2) - n * mean**2`` is used for the variance only where ``mean**2 <= 4 * variance``."""
 
 
-def _sum_of_squares(chunk: torch.Tensor) -> float:
-    """The sum of squares of a CPU tensor, in float64, from blocked BLAS dot products.
-
-    One dot product over millions of float32 entries loses ~1e-5 to its float32 accumulators;
-    blocks of ``_SQUARES_BLOCK`` keep each partial accurate and add them in float64.
-    """
-    total = 0.0
-    for start in range(0, chunk.numel(), _SQUARES_BLOCK):
-        block = chunk[start : start + _SQUARES_BLOCK]
-        total += torch.dot(block, block).item()
-    return total
-
-
 def _host_moments(prepared: PreparedTensor, chunk_size: int) -> torch.Tensor | None:
-    """``moments`` of an all-finite CPU tensor, in Python floats; ``None`` if its sum overflowed.
+    """``moments`` of a CPU tensor from its ``host_summary``; ``None`` without one.
 
-    ``M2 = sum(x**2) - sum(x) * mean`` costs one fast blocked dot product instead of a pass that
-    writes the deviations and two that read them, and is accurate to ~1e-6 where the mean is not
-    large against the spread; elsewhere (``mean**2 > 4 * variance``) the squared deviations
-    from the mean are summed chunk by chunk. The eight values become one tensor at the end
-    instead of passing through a dozen scalar kernels.
+    ``M2 = sum(x**2) - sum(x) * mean`` comes free with the summary's blocked dot products
+    instead of a pass that writes the deviations and two that read them, and is accurate to
+    ~1e-6 where the mean is not large against the spread; elsewhere (``mean**2 > 4 *
+    variance``) the squared deviations from the mean are summed chunk by chunk. The eight values
+    become one tensor at the end instead of passing through a dozen scalar kernels.
     """
-    count = prepared.numel
-    total = float(prepared.total)
-    if not math.isfinite(total):
+    summary = prepared.host_summary
+    if summary is None:
         return None
-    mean = total / count
-    m2 = _sum_of_squares(prepared.values) - total * mean
+    count = prepared.numel
+    mean = summary.total / count
+    m2 = summary.squares - summary.total * mean
     if not (math.isfinite(m2) and m2 > 0.0 and mean * mean * count <= _CONDITIONING * m2):
         # shift by the mean rounded to the working dtype, then correct for the rounding
         shift = float(torch.tensor(mean, dtype=prepared.values.dtype))
@@ -100,15 +84,14 @@ def _host_moments(prepared: PreparedTensor, chunk_size: int) -> torch.Tensor | N
             float((chunk - shift).square_().sum()) for chunk, _ in prepared.chunks(chunk_size)
         )
         m2 = max(squares - count * (mean - shift) ** 2, 0.0)
-    zeros = sum(_zero_count(chunk) for chunk, _ in prepared.chunks(chunk_size))
-    lo, hi = (float(bound) for bound in prepared.finite_range)
+    lo, hi = summary.lo, summary.hi
     variance = m2 / count
     values = [
         mean,
         math.sqrt(variance),
         lo,
         hi,
-        zeros / count,
+        summary.zeros / count,
         0.0,
         math.sqrt(variance + mean * mean),
         max(abs(lo), abs(hi)),
@@ -152,9 +135,7 @@ def _combine(partials: Sequence[_Partial]) -> _Partial:
 
 def _zero_count(chunk: torch.Tensor) -> torch.Tensor | int:
     """How many entries equal zero (NaN does not)."""
-    if chunk.device.type == "cpu":
-        # numpy compares and counts with SIMD; torch.count_nonzero branches on every entry on the
-        # CPU and is 3 to 20 times slower, the most where zeros and nonzeros mix (ReLU, dropout)
+    if chunk.device.type == "cpu":  # see _host.summarize: numpy's compare and count are SIMD
         return int(np.count_nonzero(chunk.numpy() == 0))
     # count_nonzero needs no temporary, and counts NaN as nonzero as it should
     return chunk.numel() - torch.count_nonzero(chunk)
@@ -167,8 +148,8 @@ def moments(prepared: PreparedTensor, *, chunk_size: int = CHUNK_SIZE) -> torch.
     chunks are combined with Chan et al.'s parallel formula, so it stays accurate when the mean is
     large against the spread. Counts are int64 and only become floating point in the last division.
     On the CPU an all-finite tensor (the common case, known from its sum) skips every mask, and
-    where the mean is not large against the spread the squared deviations come from one blocked
-    dot product: four fast passes (sum, min and max, squares, zeros) in all.
+    where the mean is not large against the spread the squared deviations come from blocked dot
+    products: everything from one pass, block by block (``PreparedTensor.host_summary``).
 
     Args:
         prepared: The tensor to reduce.
@@ -180,6 +161,8 @@ def moments(prepared: PreparedTensor, *, chunk_size: int = CHUNK_SIZE) -> torch.
         rms, max_abs. The fractions are over all entries (NaN is not a zero); the rest are over the
         finite entries, and NaN when there are none.
     """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if prepared.all_finite:  # only ever true on the CPU
         host = _host_moments(prepared, chunk_size)
         if host is not None:
