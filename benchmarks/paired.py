@@ -69,8 +69,8 @@ def _largest_activation(workload: Workload) -> int:
     sizes = [0]
 
     def record(module: torch.nn.Module, inputs: object, output: object) -> None:
-        if isinstance(output, torch.Tensor):
-            sizes.append(output.numel() * 4)
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        sizes.extend(t.numel() * 4 for t in outputs if isinstance(t, torch.Tensor))
 
     handles = [m.register_forward_hook(record) for m in workload.model.modules()]
     workload.step()

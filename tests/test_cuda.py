@@ -2,7 +2,9 @@
 
 These run where CUDA is available. Their CPU counterparts are the tests of the same code paths:
 ``test_reducers.py::test_host_shortcuts_match_the_device_path`` runs the accelerator reductions
-on the CPU, and ``test_step_control.py`` covers the tensor loss scale.
+on the CPU, ``test_reducers.py::test_the_accelerator_path_never_reads_a_value_on_the_host`` runs
+them on meta tensors (no host reads), ``test_memory.py`` checks the memory bound on the CPU, and
+``test_step_control.py`` covers the tensor loss scale.
 """
 
 from __future__ import annotations

@@ -388,6 +388,27 @@ def test_moments_of_millions_of_entries_are_accurate() -> None:
     np.testing.assert_allclose(moments(_prepare(tensor)).numpy(), expected, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_accelerator_path_never_reads_a_value_on_the_host(dtype: torch.dtype) -> None:
+    """Every reducer runs on a meta tensor, which has no values to read.
+
+    A meta tensor takes the accelerator path (its finiteness is unknown) and raises on every
+    host read a CUDA tensor would pay a synchronization for: ``.item()``, ``float()``, a branch
+    on a value, ``nonzero``, ``bincount``, boolean masks, ``tolist``. So on an accelerator the
+    reducers never make the host wait; ``test_cuda.py`` checks the same with CUDA's sync
+    debug mode where a GPU is present.
+    """
+    tensor = torch.empty(300_007, dtype=dtype, device="meta")
+    with pytest.raises(RuntimeError, match="meta"):
+        float(tensor[0])  # what a host read does here
+    prepared = PreparedTensor(tensor, torch.Generator())
+    assert prepared.all_finite is None
+    for reducer in (*default_reducers(), QuantileReducer(exact=True), HistogramReducer(bins=50)):
+        values = reducer.reduce(prepared)
+        assert values.device.type == "meta"
+        assert values.shape == (len(reducer.metrics) or 50 + 4,)
+
+
 def test_the_blocked_host_pass_sees_every_block() -> None:
     """The CPU's one blocked pass reads every entry of every block, the partial last one too.
 

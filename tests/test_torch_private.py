@@ -67,7 +67,7 @@ def test_checkpoint_recomputation_runs_inside_the_backward() -> None:
 
 
 def test_profiler_memory_events_carry_every_allocation_and_free_in_order() -> None:
-    """A profiled 4 MB allocation and its free appear as +4 MB then -4 MB, after each other."""
+    """Profiled CPU allocations and frees appear with their sizes and device, in time order."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         first = torch.ones(1_000_000)
         second = first * 2
@@ -78,3 +78,6 @@ def test_profiler_memory_events_carry_every_allocation_and_free_in_order() -> No
     assert big == [4_000_000, 4_000_000, -4_000_000, -4_000_000]
     times = [time for time, _ in memory_events(profiler)]
     assert times == sorted(times)
+    raw = profiler.profiler.kineto_results.events()  # what memory_events filters by device
+    devices = {e.device_type() for e in raw if e.name() == "[memory]" and abs(e.nbytes()) > 1e6}
+    assert devices == {torch._C._autograd.DeviceType.CPU}

@@ -204,6 +204,19 @@ def test_reducer_error_under_warn_records_the_reason_and_warns_once() -> None:
     assert reasons == {"reducer_error: RuntimeError: boom"}
 
 
+def test_a_wrapper_tensor_subclass_never_breaks_the_forward() -> None:
+    """A tensor subclass without a numpy view gives reducer errors as values, not an exception."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    value = two_tensor.TwoTensor(torch.randn(100), torch.randn(100))
+    with pytest.warns(ObservationWarning, match="a reducer failed"):
+        rows = _observe(value)
+    assert rows
+    assert all(
+        row.value is None and (row.unavailable_reason or "").startswith("reducer_error")
+        for row in rows
+    )
+
+
 def test_reducer_error_under_raise_stops() -> None:
     """error_policy='raise' turns a failing reducer into ObservationError."""
     model = nn.Linear(2, 2)

@@ -44,12 +44,17 @@ def in_backward() -> bool:
 
 
 def memory_events(profiler: profile) -> list[tuple[int, int]]:
-    """``(time_ns, bytes)`` of each allocation (positive) and free (negative), in time order.
+    """``(time_ns, bytes)`` of each CPU allocation (positive) and free (negative), in time order.
 
-    ``profiler`` must have run with ``profile_memory=True`` and have stopped.
+    ``profiler`` must have run with ``profile_memory=True`` and have stopped. Allocations on
+    other devices (CUDA's caching allocator) are left out, as torch's own profiler tables do.
     """
     # the stubs of _KinetoEvent lack nbytes(); torch.autograd.profiler reads it the same way
     events: list[Any] = profiler.profiler.kineto_results.events()  # type: ignore[union-attr]
-    return sorted(
-        (event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]"
-    )
+    cpu = torch._C._autograd.DeviceType.CPU
+    memory = [
+        (event.start_ns(), event.nbytes())
+        for event in events
+        if event.name() == "[memory]" and event.device_type() == cpu
+    ]
+    return sorted(memory, key=lambda item: item[0])  # stable: ties keep the recorded order

@@ -102,10 +102,18 @@ def tensor_memory(fn: Callable[[], object]) -> TensorMemory:
     the profiler's memory events give the running total of every allocation and free instead.
     Use it to check what instrumentation costs, e.g. that a sampled step's ``peak`` exceeds an
     unsampled one's by at most one activation in float32, and that its ``net`` is the same.
-    The profiler slows ``fn`` down: do not time it here. The first profiled call of a process
-    cannot see the frees of tensors allocated before it (torch warns of a block of unknown
-    size): when ``fn`` frees what an earlier call made (a training step frees the previous
-    step's gradients), measure a second call.
+    What it cannot see:
+
+    - the frees of tensors allocated while no profiler ran, before the first profiled call of
+      the process or between two (torch warns of a block of unknown size): when ``fn`` frees
+      what an earlier call made (a training step frees the previous step's gradients), profile
+      the earlier call too and measure the second;
+    - allocations made by other threads (the profiler follows the calling thread, and the
+      backward on the CPU runs there);
+    - memory numpy allocates, even when wrapped in a tensor (``torch.from_numpy``);
+    - other devices: CUDA has ``torch.cuda.max_memory_allocated``.
+
+    The profiler slows ``fn`` down: do not time it here.
     """
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         fn()

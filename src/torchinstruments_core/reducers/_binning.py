@@ -159,7 +159,7 @@ def histogram_counts(
         non-finite entries.
 
     Raises:
-        ValueError: If ``bins`` is not positive.
+        ValueError: If ``bins`` or ``chunk_size`` is not positive.
     """
     if bins < 1:
         raise ValueError(f"bins must be a positive int, got {bins!r}")
@@ -213,7 +213,7 @@ def histogram(
         there is no finite entry), ``bins`` counts, then the number of non-finite entries.
 
     Raises:
-        ValueError: If ``bins`` is not positive.
+        ValueError: If ``bins`` or ``chunk_size`` is not positive.
     """
     packed = histogram_counts(prepared, bins, chunk_size=chunk_size)
     float64 = packed.dtype == torch.float64

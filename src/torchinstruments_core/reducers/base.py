@@ -3,8 +3,8 @@
 A reducer never leaves the device: no ``.item()``, no ``.cpu()``. It returns a 1-D tensor with one
 entry per name in ``metrics``, in the working dtype, and NaN for a value it cannot define (the
 engine turns NaN into a null with a reason). ``PreparedTensor`` holds the work shared between
-reducers (the flattened working-dtype copy, its sum, the finite mask and count, the finite range,
-and on the CPU one blocked pass of host statistics), computed at most once per tensor.
+reducers (the flattened working-dtype copy, the finite mask and count, the finite range, and on
+the CPU one blocked pass of host statistics), computed at most once per tensor.
 """
 
 from __future__ import annotations
@@ -79,11 +79,6 @@ class PreparedTensor:
         return self.values.device
 
     @cached_property
-    def total(self) -> torch.Tensor:
-        """Sum of all entries in the working dtype; not finite when any entry is not."""
-        return self.values.sum()
-
-    @cached_property
     def finite(self) -> torch.Tensor:
         """Boolean mask of the finite entries."""
         return torch.isfinite(self.values)
@@ -99,20 +94,25 @@ class PreparedTensor:
     def host_summary(self) -> HostSummary | None:
         """Sum, sum of squares, min, max and zero count, when on the CPU and every sum is finite.
 
-        One pass, block by block (``_host.summarize``); ``None`` on accelerators, where reading
-        a value would make the host wait, and where a NaN, an infinity or an overflowing sum
-        sends the reducers down the masked path.
+        One pass, block by block (``_host.summarize``). ``None`` on accelerators, where reading
+        a value would make the host wait; for wrapper tensor subclasses (``DTensor``), which
+        have no numpy view; and where a block's sum is not finite: a NaN or an infinity then
+        sends the reducers down the masked path, and entries so large that their sum
+        overflows down the unmasked one.
         """
         if self.device.type != "cpu":
             return None
-        return summarize(self.values)
+        try:
+            return summarize(self.values)
+        except RuntimeError:  # ".numpy() is not supported for tensor subclasses": torch ops then
+            return None
 
     @cached_property
     def all_finite(self) -> bool | None:
         """Whether every entry is finite, when that is free to know (CPU); ``None`` on accelerators.
 
-        On the CPU a finite sum proves every entry finite (a NaN or an infinity makes the sum NaN
-        or infinite); the sums come with ``host_summary``'s pass. Only a sum that is not finite,
+        On the CPU finite block sums prove every entry finite (a NaN or an infinity makes a sum
+        NaN or infinite); they come with ``host_summary``'s pass. Only a sum that is not finite,
         from a non-finite entry or from overflow, pays for the finite mask. Asking an accelerator
         would synchronize the host with the device, so reducers there take the masked path.
         """

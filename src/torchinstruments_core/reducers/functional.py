@@ -147,7 +147,7 @@ def moments(prepared: PreparedTensor, *, chunk_size: int = CHUNK_SIZE) -> torch.
     The variance is computed per chunk in two passes (mean, then squared deviations) and the
     chunks are combined with Chan et al.'s parallel formula, so it stays accurate when the mean is
     large against the spread. Counts are int64 and only become floating point in the last division.
-    On the CPU an all-finite tensor (the common case, known from its sum) skips every mask, and
+    On the CPU an all-finite tensor (the common case, known from its sums) skips every mask, and
     where the mean is not large against the spread the squared deviations come from blocked dot
     products: everything from one pass, block by block (``PreparedTensor.host_summary``).
 
@@ -160,6 +160,9 @@ def moments(prepared: PreparedTensor, *, chunk_size: int = CHUNK_SIZE) -> torch.
         ``MOMENT_METRICS``: mean, population std, min, max, zero_fraction, nonfinite_fraction,
         rms, max_abs. The fractions are over all entries (NaN is not a zero); the rest are over the
         finite entries, and NaN when there are none.
+
+    Raises:
+        ValueError: If ``chunk_size`` is not positive.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
