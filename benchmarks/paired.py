@@ -1,7 +1,7 @@
 """The overhead targets, measured step against step in one process: unsampled and sampled steps.
 
     uv run python benchmarks/paired.py [--workload transformer] [--rounds 40] [--compile]
-        [--exact-quartiles] [--sink run-directory|recording]
+        [--exact-quartiles] [--sink run-directory|recording] [--device cpu|cuda]
 
 ``overhead.py`` gives every configuration a fresh process, which is right for memory and for
 comparing tools, but on a shared machine the speed of two processes can differ by 10 %, more
@@ -14,7 +14,9 @@ time (``time.perf_counter``): what the training loop waits, including any wait f
 while the run directory's writer thread works.
 
 With ``--compile`` both copies are ``torch.compile``d (inductor) and the observed one is
-observed as ``inject_observer(torch.compile(model))``.
+observed as ``inject_observer(torch.compile(model))``. With ``--device cuda`` every step ends
+with ``torch.cuda.synchronize()``, so a step's time includes its kernels, and memory comes from
+the CUDA allocator's own peak statistic.
 
 Reported: each configuration's median step; each ratio as the median of the per-round ratios,
 with the interquartile range of those ratios. The sampled step carries everything a sample
@@ -55,12 +57,17 @@ def _step(
     configuration: str, plain: Workload, observed: Workload, observer: object, step: int
 ) -> float:
     workload = plain if configuration == "plain" else observed
+    cuda = next(workload.model.parameters()).is_cuda
+    if cuda:
+        torch.cuda.synchronize()
     started = time.perf_counter()
     if configuration != "plain":
         observer.begin_step(step, sample=configuration == "sampled")  # type: ignore[attr-defined]
     workload.step()
     if configuration != "plain":
         observer.end_step()  # type: ignore[attr-defined]
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - started
 
 
@@ -83,8 +90,6 @@ def _memory_table(
     plain: Workload, observed: Workload, observer: object, step: int, largest: int
 ) -> None:
     """Peak and net tensor memory of a profiled step per configuration, against the target."""
-    from torchinstruments_core.testing import tensor_memory
-
     mib = 2**20
     print("\n| configuration | peak tensor memory of the step (MiB) | left allocated (MiB) |")
     print("|---|---|---|")
@@ -92,13 +97,14 @@ def _memory_table(
     for offset, name in enumerate(CONFIGURATIONS):
         # twice: a first profiled step cannot see the frees of tensors allocated before it
         for repeat in range(2):
-            memory = tensor_memory(
+            peak, net = _memory(
                 lambda name=name, at=step + 2 * offset + repeat: _step(
                     name, plain, observed, observer, at
-                )
+                ),
+                next(plain.model.parameters()).device,
             )
-        peaks[name] = memory.peak
-        print(f"| {name} | {memory.peak / mib:.1f} | {memory.net / mib:.1f} |")
+        peaks[name] = peak
+        print(f"| {name} | {peak / mib:.1f} | {net / mib:.1f} |")
     added = peaks["sampled"] - peaks["plain"]
     verdict = "met" if added <= largest else "NOT met"
     print(
@@ -140,6 +146,21 @@ def _unsampled_cost(plain_step_s: float, repeats: int) -> None:
     )
 
 
+def _memory(step: Callable[[], object], device: torch.device) -> tuple[int, int]:
+    """Peak and net tensor memory of ``step`` above its start: CUDA's allocator, else the CPU's."""
+    if device.type != "cuda":
+        from torchinstruments_core.testing import tensor_memory
+
+        memory = tensor_memory(step)
+        return memory.peak, memory.net
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start, torch.cuda.memory_allocated() - start
+
+
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
     q1, q2, q3 = statistics.quantiles(values, n=4)
     return q1, q2, q3
@@ -151,6 +172,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--probe-repeats", type=int, default=20000, help="timed calls for the unsampled cost"
     )
@@ -167,7 +189,11 @@ def main() -> None:
     from torchinstruments_core import MomentsReducer, QuantileReducer, inject_observer
     from torchinstruments_core.testing import RecordingSink
 
-    device = torch.device("cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available on this machine")
+    if WORKLOADS[args.workload].cuda_only and args.device != "cuda":
+        parser.error(f"--workload {args.workload}: needs --device cuda (a GPU)")
+    device = torch.device(args.device)
     plain, observed = build(args.workload, device), build(args.workload, device)
     if args.compile:
         plain.model = torch.compile(plain.model)  # type: ignore[assignment]
@@ -204,7 +230,8 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     print(f"{WORKLOADS[args.workload].description}; {args.threads} thread(s), {args.rounds} rounds")
     compiled = ", both models compiled (inductor)" if args.compile else ""
     print(f"observed with the {quartiles}, {args.sink}{compiled}")
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}\n")
+    gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
+    print(f"{platform.processor() or platform.machine()}{gpu}, torch {torch.__version__}\n")
     print("| configuration | median step (ms) | ratio to plain, median of rounds | IQR of ratios |")
     print("|---|---|---|---|")
     for name in CONFIGURATIONS:
