@@ -55,3 +55,16 @@ class ObservationWarning(UserWarning):
 
 class RunDirectoryExistsError(TorchInstrumentsError, FileExistsError):
     """The output directory already holds a run; a new run never overwrites or mixes into it."""
+
+
+def raise_collected(errors: Iterable[Exception], message: str) -> None:
+    """Raise nothing, the single error as it is, or an ``ExceptionGroup`` of several.
+
+    For code that must give every receiver its turn before failing (several sinks, several
+    logger targets): each error keeps its own type, traceback and cause.
+    """
+    collected = list(errors)
+    if len(collected) == 1:
+        raise collected[0]
+    if collected:
+        raise ExceptionGroup(message, collected)

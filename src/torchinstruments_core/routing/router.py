@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 from typing import TYPE_CHECKING
 
-from torchinstruments_core._exceptions import ConfigurationError
+from torchinstruments_core._exceptions import ConfigurationError, raise_collected
 from torchinstruments_core.routing.base import tensor_key
 
 if TYPE_CHECKING:
@@ -70,18 +70,23 @@ class LoggerRouter:
         self._layers = frozenset(names)
 
     def write(self, sample: SampleRecord) -> None:
-        """Write the sample's routed scalars and histograms to every target."""
+        """Write the sample's routed scalars and histograms to every target.
+
+        Raises:
+            Exception: The one target's own error if one target failed (the others still got the
+                sample), an ``ExceptionGroup`` of them if several did.
+        """
         step = sample.step if sample.step is not None else sample.sample_id
         scalars = self._scalars(sample)
         histograms = self._histograms(sample.histograms) if self.histograms else {}
-        errors = []
+        errors: list[Exception] = []
         for target in self.targets:
             try:
                 target.log(scalars, histograms, step)
-            except Exception as error:
-                errors.append(f"{type(target).__name__}: {type(error).__name__}: {error}")
-        if errors:
-            raise RuntimeError("; ".join(errors))
+            except Exception as error:  # every target gets the sample before anything is raised
+                error.add_note(f"raised by the logger target {type(target).__name__}")
+                errors.append(error)
+        raise_collected(errors, f"{len(errors)} logger targets failed at step {step}")
 
     @property
     def targets(self) -> tuple[Target, ...]:
