@@ -176,10 +176,8 @@ def test_checkpointed_block_gives_no_phantom_or_duplicate_rows(use_reentrant: bo
     assert ("block.inner", 1, "output", "output") not in observed
     assert ("block.inner", 0, "output", "output") in observed
     assert ("head", 0, "output_gradient", "output") in observed
-    inner_gradient = ("block.inner", 0, "output_gradient", "output") in observed
-    # Non-reentrant checkpointing keeps the original graph, so inner gradients are observed;
-    # the reentrant form runs the block's forward without autograd, so there are none to observe.
-    assert inner_gradient is (not use_reentrant)
+    # Both forms record the gradients inside the block: the reentrant one from its recomputation.
+    assert ("block.inner", 0, "output_gradient", "output") in observed
     # every row of the sample holds one value per metric, never two
     keys = [(r.layer, r.call_index, r.signal, r.tensor_path, r.metric) for r in sink.rows]
     assert len(keys) == len(set(keys))
@@ -292,3 +290,86 @@ def test_gradients_of_nested_outputs_follow_their_paths() -> None:
     assert sink.value("split", "output_gradient", "mean", tensor_path="output.1") == pytest.approx(
         7.0
     )
+
+
+class TwiceBlock(nn.Module):
+    """A block that calls one module twice: call 0 and call 1 must each get their gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.inner(self.act(x)))
+
+
+class SegmentedNet(nn.Module):
+    """Two checkpointed segments and an optional head outside them."""
+
+    def __init__(self, mode: str | None, head: bool) -> None:
+        super().__init__()
+        self.first, self.second = TwiceBlock(), TwiceBlock()
+        self.head = nn.Linear(4, 1) if head else None
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in (self.first, self.second):
+            if self.mode is None:
+                x = block(x)
+            else:
+                x = checkpoint.checkpoint(block, x, use_reentrant=self.mode == "reentrant")
+        return self.head(x) if self.head is not None else x
+
+
+def _gradient_values(mode: str | None, head: bool) -> dict[tuple[str, int, str], float | None]:
+    torch.manual_seed(0)
+    model = SegmentedNet(mode, head)
+    sink = RecordingSink()
+    x = torch.randn(8, 4, requires_grad=True)
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink):
+        model(x).square().sum().backward()
+    assert len(sink.samples) == 1
+    assert not sink.samples[0].forward_only
+    rows = [r for r in sink.rows if r.signal == "output_gradient"]
+    keys = [(r.layer, r.call_index, r.metric) for r in rows]
+    assert len(keys) == len(set(keys)), "a gradient recorded twice"
+    return {(r.layer, r.call_index, r.metric): r.value for r in rows}
+
+
+@pytest.mark.parametrize("head", [True, False])
+def test_reentrant_checkpointing_records_the_gradients_of_the_first_computation(
+    head: bool,
+) -> None:
+    """use_reentrant=True: each call in the segments gets its gradient as if not checkpointed.
+
+    Matched by module and call_index, also when no observed module lies outside the segments.
+    """
+    plain = _gradient_values(None, head)
+    reentrant = _gradient_values("reentrant", head)
+    assert set(reentrant) == set(plain)
+    assert ("first.act", 1, "rms") in plain
+    for key, value in plain.items():
+        assert value is not None
+        assert reentrant[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    assert _gradient_values("non-reentrant", head) == pytest.approx(plain, rel=1e-5, abs=1e-7)
+
+
+def test_reentrant_checkpoint_never_backpropagated_says_no_gradient() -> None:
+    """A segment whose output the loss does not use is never recomputed: its rows say so."""
+
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            checkpoint.checkpoint(self.unused, x, use_reentrant=True)
+            return self.used(x)
+
+    model, sink = Unused(), RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink):
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    rows = [r for r in sink.rows if r.signal == "output_gradient" and r.layer == "unused"]
+    assert rows
+    assert {(r.value, r.unavailable_reason) for r in rows} == {(None, "no_gradient")}

@@ -33,20 +33,22 @@ def _same(function: Callable[..., None]) -> Callable[..., None]:
 class GradientSlot:
     """The tensor hook on one observed output: hands its gradient to the observer's sample."""
 
-    __slots__ = ("_on_gradient", "histogram", "sample", "sentinel", "site")
+    __slots__ = ("_on_gradient", "histogram", "nested", "sample", "sentinel", "site")
 
     def __init__(
         self,
         on_gradient: Callable[[GradientSlot, torch.Tensor], None],
         sample: Sample,
-        site: Site,
+        site: Site | None,
         histogram: bool,
         sentinel: object,
     ) -> None:
         self._on_gradient = run_eagerly(on_gradient)
         self.sample = sample
-        self.site = site
+        self.site = site  # None: the hook only marks that the sample's backward started
         self.histogram = histogram
+        # On a recomputed output: its gradient arrives in a nested backward (a checkpoint's).
+        self.nested = False
         # Held only by this hook: when autograd frees the graph, the sentinel dies with it.
         self.sentinel = sentinel
 

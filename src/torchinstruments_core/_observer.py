@@ -10,10 +10,10 @@ transfer and the sink receives the ``SampleRecord``.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import functools
 import math
+import os
 import threading
 import time
 import warnings
@@ -21,6 +21,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from torchinstruments_core import _process
 from torchinstruments_core._capture import Attachment, GradientSlot, gradient_signal_site
 from torchinstruments_core._config import ErrorPolicy, RankPolicy
 from torchinstruments_core._exceptions import (
@@ -83,6 +84,14 @@ class _Sentinel:
     """Lives exactly as long as some gradient hook of a sample (see ``GradientSlot.sentinel``)."""
 
 
+class _ThreadState(threading.local):
+    """What one thread's forward is doing: concurrent forwards are separate samples."""
+
+    depth = 0
+    active: Sample | None = None
+    explicit = False
+
+
 @dataclass(frozen=True, slots=True)
 class ObserverConfig:
     """Everything an observer needs besides the model, validated by ``inject_observer``."""
@@ -111,23 +120,22 @@ class Observer:
         self._layers = config.layers
         self._root_layer = next((x for x in config.layers if x.module is model), None)
         self._lock = threading.RLock()
+        self._pid = os.getpid()  # only this process delivers samples and finalizes the run
         self._rank: RankInfo | None = None
         self._enabled = True
         self._sink_open = False
         self._removed = False
-        self._depth = 0
+        self._local = _ThreadState()
         self._forward_index = 0
         self._next_sample_id = config.first_sample_id
-        self._active: Sample | None = None
+        self._running: dict[int, Sample] = {}  # samples whose forward runs, in any thread
         self._plan: _StepPlan | None = None
-        self._explicit = False
         self._gradient_scale: GradientScale = None
         self._pending: dict[int, Sample] = {}
         self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
         self._in_flight: collections.deque[tuple[Sample, HostTransfer]] = collections.deque()
         self._draining = False
         self._warned: set[str] = set()
-        self._exit_hook = functools.partial(_remove_if_alive, weakref.ref(self))
         self._attachment = Attachment(
             model,
             config.layers,
@@ -180,8 +188,8 @@ class Observer:
             self._resolve_rank()
             if self._enabled:
                 self._attachment.arm()
-        elif self._active is None:
-            self._attachment.disarm()  # a sampled step that never saw its end_step
+        else:
+            self._update_arming()  # a sampled step that never saw its end_step
 
     def open_sample(self, step: int | None = None) -> bool:
         """Start a sample now, without waiting for a root forward.
@@ -195,12 +203,12 @@ class Observer:
             Whether a sample was opened (``False`` on a rank that does not observe, or after
             removal).
         """
-        if self._active is not None:
+        if self._local.active is not None:
             self.finish_forward()
         self._resolve_rank()
         if self._removed or not self._enabled:
             return False
-        self._explicit = True
+        self._local.explicit = True
         self._start(step)
         return True
 
@@ -209,7 +217,8 @@ class Observer:
 
         It then waits for its backward, or closes at once when no output can receive a gradient.
         """
-        explicit, self._explicit = self._explicit, False
+        local = self._local
+        explicit, local.explicit = local.explicit, False
         if explicit:
             self._end_forward(failed=False)
 
@@ -256,17 +265,20 @@ class Observer:
         Until the next ``begin_step`` no root forward is sampled.
         """
         plan, self._plan = self._plan, _IDLE
-        if self._active is None:
-            self._attachment.disarm()
+        self._update_arming()
         if plan is None or plan.step is None:
             return
-        for sample in [s for s in self._pending.values() if s.step == plan.step]:
+        with self._lock:
+            ended = [s for s in self._pending.values() if s.step == plan.step]
+        for sample in ended:
             self._close(sample)
         self._drain(wait=False)
 
     def flush(self) -> None:
         """Close every open sample and wait until the sink has received all of them."""
-        for sample in list(self._pending.values()):
+        with self._lock:
+            pending = list(self._pending.values())
+        for sample in pending:
             self._close(sample)
         self._drain(wait=True)
 
@@ -277,8 +289,14 @@ class Observer:
                 return
             self._removed = True
         self._attachment.detach()
-        self._explicit = False
+        _process.unregister(self)
+        self._local.explicit = False
         self._end_forward(failed=True)  # a forward cut short (an exception) keeps what it measured
+        with self._lock:
+            cut_short = list(self._running.values())  # forwards of other threads
+            self._running.clear()
+        for sample in cut_short:
+            self._close(sample)
         try:
             if self._enabled:
                 try:
@@ -308,11 +326,29 @@ class Observer:
             self._resolve_rank()
         if self._enabled:
             self._attachment.attach()
-            # A script that never removes its observer still gets a finalized run directory.
-            atexit.register(self._exit_hook)
+            # A script that never removes its observer still gets a finalized run directory,
+            # at exit (a multiprocessing child's too) or on SIGTERM.
+            _process.register(self)
+
+    def become_inert(self) -> None:
+        """Stop observing for good, in a child process that ``fork`` made (see ``_process``).
+
+        The child inherits this observer's hooks and open samples but not the sink's writer
+        thread: it samples nothing, delivers nothing and never finalizes the parent's run.
+        """
+        self._lock = threading.RLock()  # another thread may have held it during the fork
+        self._enabled = False
+        self._rank = self._rank or RankInfo(rank=-1, world_size=0)  # never resolved again
+        self._local = _ThreadState()
+        self._running.clear()
+        self._pending.clear()
+        self._in_flight.clear()
+        for finalizer in self._finalizers.values():
+            finalizer.detach()
+        self._finalizers.clear()
 
     def _release_references(self) -> None:
-        atexit.unregister(self._exit_hook)
+        _process.unregister(self)
         self._config.measurer.new_sample()  # drop the cached subsample positions
         from torchinstruments_core._registry import forget
 
@@ -321,7 +357,7 @@ class Observer:
         self._model = None
         self._layers = []
         self._root_layer = None
-        self._active = None
+        self._local = _ThreadState()
 
     def _resolve_rank(self) -> RankInfo:
         if self._rank is None:
@@ -332,8 +368,9 @@ class Observer:
     # -- the forward --------------------------------------------------------------------------
 
     def _on_root_enter(self) -> None:
-        self._depth += 1
-        if self._depth > 1 or self._active is not None or self._removed or in_backward():
+        local = self._local
+        local.depth += 1
+        if local.depth > 1 or local.active is not None or self._removed or in_backward():
             return  # nested in a sample, or activation checkpointing recomputing the root
         index = self._forward_index
         self._forward_index += 1
@@ -354,54 +391,87 @@ class Observer:
         self._open_sink()
         self._config.measurer.new_sample()
         scale = self._current_gradient_scale()
-        sample = Sample(self._next_sample_id, step, time.time(), scale)
-        self._next_sample_id += 1
-        sentinel = _Sentinel()
-        sample.sentinel = sentinel
-        self._finalizers[sample.sample_id] = weakref.finalize(
-            sentinel, self._on_graph_released, sample
-        )
-        self._active = sample
+        with self._lock:
+            sample = Sample(self._next_sample_id, step, time.time(), scale)
+            self._next_sample_id += 1
+            sentinel = _Sentinel()
+            sample.sentinel = sentinel
+            self._finalizers[sample.sample_id] = weakref.finalize(
+                sentinel, self._on_graph_released, sample
+            )
+            self._running[sample.sample_id] = sample
+        self._local.active = sample
         self._attachment.arm()
         sample.duration_s += time.perf_counter() - started
 
     def _on_root_exit(self, output: Any) -> None:
-        self._depth = max(self._depth - 1, 0)
-        sample = self._active
+        local = self._local
+        local.depth = max(local.depth - 1, 0)
+        sample = local.active
         if sample is None:
             return
         if self._root_layer is not None and output is not None:
             self._on_output(self._root_layer, output)
-        if self._depth == 0 and not self._explicit:
+        if local.depth == 0 and not local.explicit:
+            if output is not None and sample.recompute.waiting and not sample.handles:
+                self._keep_until_backward(sample, output)
             self._end_forward(failed=output is None)
 
     def _end_forward(self, *, failed: bool) -> None:
-        sample, self._active = self._active, None
+        local = self._local
+        sample, local.active = local.active, None
         if sample is None:
             return
-        if self._plan is None or not self._plan.sample:
-            self._attachment.disarm()  # a sampled step keeps them for its next micro-batch
-        if sample.expects_gradients and not failed:
-            self._pending[sample.sample_id] = sample
-            sample.sentinel = None  # from now on only the graph keeps it alive
-        else:
+        keep = sample.expects_gradients and not failed
+        with self._lock:
+            self._running.pop(sample.sample_id, None)
+            if keep:
+                self._pending[sample.sample_id] = sample
+                sample.sentinel = None  # from now on only the graph keeps it alive
+        self._update_arming()
+        if not keep:
             self._close(sample)
 
+    def _update_arming(self) -> None:
+        """Remove the per-module hooks unless something still needs them.
+
+        A forward in any thread, a sampled step (for its next micro-batch) or a checkpoint's
+        recomputation in the backward (see ``_recompute``) does.
+        """
+        with self._lock:
+            needed = (
+                bool(self._running)
+                or (self._plan is not None and self._plan.sample)
+                or any(s.recompute.waiting for s in self._pending.values())
+            )
+            if not needed:
+                self._attachment.disarm()
+
     def _on_output(self, layer: Layer, output: Any) -> None:
-        sample = self._active
+        sample = self._local.active
         if sample is None:
+            if self._pending and in_backward():
+                self._on_recomputed_output(layer, output)
             return
         started = time.perf_counter()
         self._observe(sample, layer, output)
         sample.duration_s += time.perf_counter() - started
 
     def _observe(self, sample: Sample, layer: Layer, output: Any) -> None:
+        import torch
+
         call_index = sample.next_call_index(layer.name)
         for path, tensor in iter_tensors(output):
             site = Site(layer.name, call_index, Signal.OUTPUT, path)
             sample.add(site, self._measure(tensor, site, layer.histogram))
             if tensor.requires_grad:
                 self._watch_gradient(sample, site, tensor, layer.histogram)
+            elif sample.grad_enabled and tensor.is_floating_point() and not torch.is_grad_enabled():
+                # computed without autograd inside a forward with it: reentrant checkpointing,
+                # whose recomputation in the backward carries the gradient (see _recompute)
+                gradient_site = gradient_signal_site(site)
+                sample.recompute.expect(gradient_site)
+                sample.expect_gradient(gradient_site, self._config.measurer.metrics)
 
     def _watch_gradient(
         self, sample: Sample, site: Site, tensor: torch.Tensor, histogram: bool
@@ -410,6 +480,44 @@ class Observer:
         slot = GradientSlot(self._on_gradient, sample, gradient_site, histogram, sample.sentinel)
         sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
         sample.expect_gradient(gradient_site, self._config.measurer.metrics)
+
+    def _keep_until_backward(self, sample: Sample, output: Any) -> None:
+        # Every observed output waits for a recomputation, so no gradient hook holds the sample's
+        # graph: hooks on the root's outputs keep it (and start its backward) without measuring.
+        for _, tensor in iter_tensors(output):
+            if tensor.requires_grad:
+                slot = GradientSlot(self._on_gradient, sample, None, False, sample.sentinel)
+                sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
+
+    def _on_recomputed_output(self, layer: Layer, output: Any) -> None:
+        sample = self._recomputed_sample(current_graph_task_id())
+        if sample is None:
+            return
+        call_index = sample.recompute.match(layer.name)
+        if call_index is None:
+            return
+        for path, tensor in iter_tensors(output):
+            site = Site(layer.name, call_index, Signal.OUTPUT_GRADIENT, path)
+            if tensor.requires_grad and sample.recompute.take(site):
+                # its gradient arrives in the checkpoint's own, nested backward
+                slot = GradientSlot(self._on_gradient, sample, site, layer.histogram, None)
+                slot.nested = True
+                sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
+
+    def _recomputed_sample(self, task: int) -> Sample | None:
+        """The pending sample whose backward (graph task ``task``) recomputes a checkpoint."""
+        with self._lock:
+            waiting = [s for s in self._pending.values() if s.recompute.waiting and not s.closed]
+        for sample in waiting:
+            if sample.backward_task == task:
+                return sample
+        for sample in reversed(waiting):  # no gradient reached it yet: this backward is its own
+            with sample.lock:
+                if sample.backward_task is None and not sample.closed:
+                    sample.backward_task = task
+                    queue_callback(functools.partial(self._on_backward_done, sample))
+                    return sample
+        return None
 
     # -- the backward -------------------------------------------------------------------------
 
@@ -423,8 +531,10 @@ class Observer:
             if sample.backward_task is None:
                 sample.backward_task = task
                 queue_callback(functools.partial(self._on_backward_done, sample))
-            elif sample.backward_task != task:
+            elif sample.backward_task != task and not slot.nested:
                 return  # only the first backward that reaches a sample is recorded
+        if slot.site is None:
+            return  # a hook that only marks the backward's start (see _keep_until_backward)
         measurement = self._measure(grad, slot.site, slot.histogram, sample.gradient_scale)
         sample.add(slot.site, measurement)
         sample.duration_s += time.perf_counter() - started
@@ -476,14 +586,17 @@ class Observer:
                 self._draining = False
 
     def _deliver(self, sample: Sample, transfer: HostTransfer) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child never writes into the parent's run
         rank = self._resolve_rank().rank
         record = sample.build(transfer, run_id=self._config.run_id, rank=rank)
         self._guard(f"write sample {record.sample_id}", self._config.sink.write, record)
 
     def _open_sink(self) -> None:
-        if self._sink_open:
-            return
-        self._sink_open = True
+        with self._lock:
+            if self._sink_open:
+                return
+            self._sink_open = True
         self._guard("open the run", self._config.sink.open, self._run_info())
 
     def _run_info(self) -> RunInfo:
@@ -536,9 +649,3 @@ class Observer:
                 ObservationWarning,
                 stacklevel=2,
             )
-
-
-def _remove_if_alive(reference: weakref.ref[Observer]) -> None:
-    observer = reference()
-    if observer is not None:
-        observer.remove()

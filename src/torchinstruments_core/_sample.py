@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from torchinstruments_core._recompute import RecomputeLedger
 from torchinstruments_core._records import (
     HistogramRecord,
     SampleRecord,
@@ -51,8 +52,13 @@ class Sample:
         timestamp: float,
         gradient_scale: float | torch.Tensor | None,
     ) -> None:
+        import torch
+
         self.sample_id = sample_id
         self.step = step
+        # A forward with autograd on whose modules compute outputs without it: see _recompute.
+        self.grad_enabled = torch.is_grad_enabled()
+        self.recompute = RecomputeLedger()
         self.timestamp = timestamp
         self.gradient_scale = gradient_scale
         self.lock = threading.Lock()
@@ -74,8 +80,14 @@ class Sample:
         return index
 
     def add(self, site: Site, measurement: Measurement) -> None:
-        """Keep a measurement until the sample closes."""
+        """Keep a measurement until the sample closes; after that it is dropped.
+
+        A closed sample's values are already crossing to the host: a gradient that arrives late
+        (another thread, a second backward) must not join them.
+        """
         with self.lock:
+            if self.closed:
+                return
             self._measured.append((site, measurement))
             if site.signal is Signal.OUTPUT_GRADIENT:
                 self._received.add(site)
