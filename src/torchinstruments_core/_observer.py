@@ -21,6 +21,8 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from torch import is_grad_enabled
+
 from torchinstruments_core._capture import Attachment, GradientSlot, gradient_signal_site
 from torchinstruments_core._config import ErrorPolicy, RankPolicy
 from torchinstruments_core._exceptions import (
@@ -117,6 +119,7 @@ class Observer:
         self._removed = False
         self._depth = 0
         self._forward_index = 0
+        self._training_forwards = 0
         self._next_sample_id = config.first_sample_id
         self._active: Sample | None = None
         self._plan: _StepPlan | None = None
@@ -163,6 +166,11 @@ class Observer:
     def samples_taken(self) -> int:
         """The ``sample_id`` of the next sample (samples taken so far plus ``first_sample_id``)."""
         return self._next_sample_id
+
+    @property
+    def training_forwards(self) -> int:
+        """Root forwards run so far with gradients enabled (an evaluation under no_grad is not)."""
+        return self._training_forwards
 
     def begin_step(self, step: int, *, sample: bool) -> None:
         """Announce that the coming root forwards belong to trainer step ``step``.
@@ -337,6 +345,7 @@ class Observer:
             return  # nested in a sample, or activation checkpointing recomputing the root
         index = self._forward_index
         self._forward_index += 1
+        self._training_forwards += is_grad_enabled()
         if self._decide(index):
             self._start(self._plan.step if self._plan is not None else None)
 
