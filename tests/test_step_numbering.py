@@ -87,6 +87,21 @@ def test_without_a_log_a_window_closes_at_the_next_forward() -> None:
     assert loop.delivered() == [(0, 0)]
 
 
+def test_a_sample_arriving_after_its_window_closed_keeps_the_number_of_the_close() -> None:
+    """A late sample of an unlogged step counts on from the log before its window closed.
+
+    Its transfer was still in flight when the window closed; a later log does not move it.
+    """
+    loop = Loop()
+    loop.log(50)  # before any forward: step 0 is 50 unless it logs
+    loop.forward()
+    loop.optimizer_step()
+    loop.forward()
+    loop.log(7)  # step 1
+    loop.holding.write(record(step=0))
+    assert loop.delivered() == [(50, 0)]
+
+
 def test_unlogged_steps_count_on_from_the_last_log_and_the_first_log_wins() -> None:
     """Steps without a log count on from the last one; a second log in a window is ignored.
 

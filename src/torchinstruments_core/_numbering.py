@@ -102,8 +102,13 @@ class StepNumbering:
             return number
 
     def _follow_forwards(self) -> None:
-        if self._forwards() > self._forwards_at_step:
-            self._open = self._step  # the current step has begun: earlier windows are closed
+        if self._forwards() <= self._forwards_at_step or self._open == self._step:
+            return
+        # The current step has begun: the windows before it close, numbered as they stand, so
+        # that a sample arriving late (a transfer still in flight) takes the same number.
+        for closed in range(max(self._open, 0), self._step):
+            self._numbers.setdefault(closed, closed + self._offset)
+        self._open = self._step
 
 
 class HoldingSink:
