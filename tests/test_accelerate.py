@@ -159,7 +159,10 @@ def test_a_log_before_watch_numbers_the_steps_until_the_loop_logs(tmp_path: path
 
 
 def test_registered_by_name_with_the_logging_directory(tmp_path: pathlib.Path) -> None:
-    """register_tracker_class: Accelerate builds it with init_kwargs and its logging_dir."""
+    """register_tracker_class: Accelerate builds it with init_kwargs and its logging_dir.
+
+    watch(model) finds the accelerator through its trackers and routes into TensorBoard.
+    """
     register_tracker_class(TelemetryTracker)
     try:
         accelerator = Accelerator(
@@ -171,7 +174,7 @@ def test_registered_by_name_with_the_logging_directory(tmp_path: pathlib.Path) -
         model, optimizer, data = accelerator.prepare(
             model, torch.optim.SGD(model.parameters(), lr=0.05), loader()
         )
-        telemetry.watch(model, accelerator=accelerator)
+        telemetry.watch(model)  # found in accelerator.trackers (log_with holds only its name)
         assert accelerator.get_tracker("torchinstruments", unwrap=True) is telemetry.tracker
         train(accelerator, model, optimizer, data, steps=4)  # step 3 ends step 2's window
         accelerator.end_training()
