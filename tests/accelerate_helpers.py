@@ -28,6 +28,30 @@ class Regressor(nn.Module):
         return self.net(x)
 
 
+class Tagged(nn.Module):
+    """A regressor whose layer ``tag`` outputs the batch's number, column 0 of its input.
+
+    The telemetry of ``tag`` (``max_abs`` of its output) then says which batch a sample was.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tag = nn.Identity()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.tag(x[:, :1])
+        return self.net(x[:, 1:])
+
+
+def tagged_loader(batches: int = 32, batch_size: int = 4) -> DataLoader[Any]:
+    """Batches for ``Tagged``: batch ``i`` carries ``i`` in column 0 of every row."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(batches * batch_size, 5, generator=generator)
+    x[:, 0] = torch.arange(batches).repeat_interleave(batch_size).float()
+    return DataLoader(TensorDataset(x, x[:, 1:].sum(1, keepdim=True)), batch_size=batch_size)
+
+
 class RecordingTracker(GeneralTracker):
     """A tracker that takes scalars only and remembers every ``log`` call."""
 
@@ -118,11 +142,14 @@ def hooks(model: nn.Module) -> int:
 
 
 def two_process_run(root: str, policy: str) -> None:
-    """One process of the two-process test: TensorBoard and telemetry, five optimizer steps."""
+    """One process of the two-process test: TensorBoard and telemetry, five optimizer steps.
+
+    The loop logs step k + 1 after step k (``accelerator.log`` runs on the main process only).
+    """
     telemetry = TelemetryTracker(every_n_steps=2, rank_policy=policy)
     accelerator, model, optimizer, data = setup(
         pathlib.Path(root), telemetry, log_with=["tensorboard", telemetry]
     )
-    train(accelerator, model, optimizer, data, steps=5)
+    train(accelerator, model, optimizer, data, steps=5, user_step=0)
     accelerator.end_training()
     telemetry.finish()  # Accelerate finishes trackers on the main process only

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import pathlib
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import textwrap
 import weakref
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import polars as pl
 import pytest
@@ -30,7 +32,7 @@ from accelerate_helpers import (
     train,
 )
 from torchinstruments_accelerate import TelemetryTracker
-from torchinstruments_core import ConfigurationError
+from torchinstruments_core import ConfigurationError, ObservationWarning
 
 
 @pytest.fixture(autouse=True)
@@ -119,12 +121,12 @@ def test_watch_before_or_after_prepare_under_mixed_precision(
     assert history["value"].null_count() == 0
 
 
-def test_the_step_follows_the_users_accelerator_log_step(tmp_path: pathlib.Path) -> None:
-    """accelerator.log(step=u) numbers the step in progress u, unless it was sampled already.
+def test_a_log_before_watch_numbers_the_steps_until_the_loop_logs(tmp_path: pathlib.Path) -> None:
+    """A resumed run logs 1000 before watch(): steps count on from it until a step logs its own.
 
-    The schedule stays on optimizer steps 0, 2, 4 (two micro-batches each). A log at 1000 before
-    watch() numbers step 0; the loop logs 1000 + k + 1 after step k. A log at 2000 between the
-    micro-batches of step 2 leaves both at 1002; the next log (1003) numbers step 3.
+    The schedule stays on the tracker's steps 0, 2, 4 (two micro-batches each). The loop logs
+    only after step 3, at 2003: step 4 counts on from there. The tracker's count stays in
+    ``optimizer_step``.
     """
     telemetry = TelemetryTracker(every_n_steps=2)
     accelerator, model, optimizer, data = setup(
@@ -134,31 +136,33 @@ def test_the_step_follows_the_users_accelerator_log_step(tmp_path: pathlib.Path)
         watch=False,
         gradient_accumulation_steps=2,
     )
-    accelerator.log({"lr": 0.05}, step=1000)  # a resumed run: the user counts from 1000
+    accelerator.log({"lr": 0.05}, step=1000)
     telemetry.watch(model, accelerator=accelerator)
     completed = 0
     for x, y in data:
         with accelerator.accumulate(model):
-            loss = (model(x) - y).square().mean()
-            accelerator.backward(loss)
-            if completed == 2:
-                accelerator.log({"grad_norm": 1.0}, step=2000)
+            accelerator.backward((model(x) - y).square().mean())
             optimizer.step()
             optimizer.zero_grad()
         if accelerator.sync_gradients:
             completed += 1
-            accelerator.log({"loss": loss.item()}, step=1000 + completed)
-            if completed == 5:
+            if completed == 4:
+                accelerator.log({"lr": 0.05}, step=2003)
+            if completed == 6:
                 break
     accelerator.end_training()
-    expected = [1000, 1000, 1002, 1002, 1004, 1004]
-    assert samples(tmp_path / "telemetry")["step"].to_list() == expected
+    frame = samples(tmp_path / "telemetry")
+    assert frame["step"].to_list() == [1000, 1000, 1002, 1002, 2004, 2004]
+    assert frame["optimizer_step"].to_list() == [0, 0, 2, 2, 4, 4]
     histograms = events(tmp_path / "exp").Histograms("telemetry/net.0/output/histogram")
-    assert [e.step for e in histograms] == expected
+    assert [e.step for e in histograms] == [1000, 1000, 1002, 1002, 2004, 2004]
 
 
 def test_registered_by_name_with_the_logging_directory(tmp_path: pathlib.Path) -> None:
-    """register_tracker_class: Accelerate builds it with init_kwargs and its logging_dir."""
+    """register_tracker_class: Accelerate builds it with init_kwargs and its logging_dir.
+
+    watch(model) finds the accelerator through its trackers and routes into TensorBoard.
+    """
     register_tracker_class(TelemetryTracker)
     try:
         accelerator = Accelerator(
@@ -170,9 +174,9 @@ def test_registered_by_name_with_the_logging_directory(tmp_path: pathlib.Path) -
         model, optimizer, data = accelerator.prepare(
             model, torch.optim.SGD(model.parameters(), lr=0.05), loader()
         )
-        telemetry.watch(model, accelerator=accelerator)
+        telemetry.watch(model)  # found in accelerator.trackers (log_with holds only its name)
         assert accelerator.get_tracker("torchinstruments", unwrap=True) is telemetry.tracker
-        train(accelerator, model, optimizer, data, steps=3)
+        train(accelerator, model, optimizer, data, steps=4)  # step 3 ends step 2's window
         accelerator.end_training()
     finally:
         LOGGER_TYPE_TO_CLASS.pop("torchinstruments", None)
@@ -181,15 +185,18 @@ def test_registered_by_name_with_the_logging_directory(tmp_path: pathlib.Path) -
     assert steps == [0, 2]
 
 
-def test_without_accelerator_only_the_directory_is_written(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+def test_watch_without_accelerator_uses_the_one_that_holds_the_tracker(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """watch(model) alone: the run directory in ./telemetry, nothing in the other trackers."""
+    """watch(model) alone finds the Accelerator with the tracker in log_with and routes into it.
+
+    The run directory goes to its project directory, not the working directory, and its
+    absolute path is logged at INFO. The loop logs k + 1 after step k, so steps 0 and 2 are 1, 3.
+    """
     monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.INFO, logger="torchinstruments_accelerate")
     telemetry = TelemetryTracker(every_n_steps=2)
-    accelerator = Accelerator(
-        cpu=True, log_with=["tensorboard", telemetry], project_dir=tmp_path / "project"
-    )
+    accelerator = Accelerator(cpu=True, log_with=["tensorboard", telemetry], project_dir="project")
     accelerator.init_trackers("exp")
     model = Regressor()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -197,12 +204,47 @@ def test_without_accelerator_only_the_directory_is_written(
     prepared, optimizer, data = accelerator.prepare(model, optimizer, loader())
     train(accelerator, prepared, optimizer, data, steps=3, user_step=0)
     accelerator.end_training()
-    assert samples(tmp_path / "telemetry")["step"].to_list() == [0, 2]
-    tags = events(tmp_path / "project" / "exp").Tags()
-    assert tags["scalars"] == ["loss"]
-    assert tags["histograms"] == []
+    folder = tmp_path / "project" / "telemetry"
+    assert f"writing the run directory to {folder}" in caplog.text
+    assert not (tmp_path / "telemetry").exists()
+    assert samples(folder)["step"].to_list() == [1, 3]
+    histograms = events(tmp_path / "project" / "exp").Histograms("telemetry/net.0/output/histogram")
+    assert [e.step for e in histograms] == [1, 3]
     assert hooks(model) == 0
     telemetry.finish()  # again: nothing left to do
+
+
+@pytest.mark.parametrize("holders", [0, 2])
+def test_watch_without_accelerator_warns_when_not_exactly_one_holds_the_tracker(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, holders: int
+) -> None:
+    """With none or two Accelerators holding the tracker, watch(model) warns and routes nothing.
+
+    The warning names the fix and the absolute folder written (the working directory's).
+    """
+    monkeypatch.chdir(tmp_path)
+    telemetry = TelemetryTracker(every_n_steps=2)
+    trackers: list[Any] = ["tensorboard"] if holders == 0 else ["tensorboard", telemetry]
+    accelerator = Accelerator(cpu=True, log_with=trackers, project_dir=tmp_path / "project")
+    accelerator.init_trackers("exp")
+    # a second Accelerator holding the tracker too, kept alive until the end of the test
+    _second = Accelerator(cpu=True, log_with=[telemetry]) if holders == 2 else None
+    model = Regressor()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.warns(ObservationWarning) as warned:
+        telemetry.watch(model)
+    message = str(warned[0].message)
+    found = "no Accelerator holds" if holders == 0 else "2 Accelerators hold"
+    assert f"got no accelerator and {found} this tracker in log_with" in message
+    assert "nothing is routed into the other trackers" in message
+    assert f"writing the run directory to {tmp_path / 'telemetry'}." in message
+    assert message.endswith("Pass watch(model, accelerator=accelerator).")
+    prepared, optimizer, data = accelerator.prepare(model, optimizer, loader())
+    train(accelerator, prepared, optimizer, data, steps=3)
+    accelerator.end_training()
+    telemetry.finish()
+    assert samples(tmp_path / "telemetry")["step"].to_list() == [0, 2]
+    assert events(tmp_path / "project" / "exp").Tags()["histograms"] == []
 
 
 def test_finish_leaves_no_hook_and_nothing_holding_the_tracker(tmp_path: pathlib.Path) -> None:
@@ -210,7 +252,8 @@ def test_finish_leaves_no_hook_and_nothing_holding_the_tracker(tmp_path: pathlib
     telemetry = TelemetryTracker(every_n_steps=1, output_dir=tmp_path / "run")
     model = Regressor()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    telemetry.watch(model)
+    with pytest.warns(ObservationWarning, match="no Accelerator holds this tracker"):
+        telemetry.watch(model)
     with pytest.raises(ConfigurationError, match="already watches a model"):
         telemetry.watch(model)
     for _ in range(2):

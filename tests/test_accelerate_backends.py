@@ -27,7 +27,10 @@ def _fresh_accelerate_state() -> Iterator[None]:
 def test_wandb_offline_run_holds_histograms_at_the_sampled_steps(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The .wandb file holds our histograms at W&B steps 0, 3, 6, in the rows of the user's loss."""
+    """The .wandb file holds our histograms in the rows of the user's loss of the sampled steps.
+
+    The loop logs step k + 1 after optimizer step k: the sampled steps 0, 3, 6 are W&B's 1, 4, 7.
+    """
     import wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -41,11 +44,11 @@ def test_wandb_offline_run_holds_histograms_at_the_sampled_steps(
     rows = history_rows(tmp_path)
     key = "telemetry/net.0/output/histogram"
     ours = [r for r in rows if f"{key}/_type" in r]
-    assert [r["_step"] for r in ours] == [0, 3, 6]
+    assert [r["_step"] for r in ours] == [1, 4, 7]
     assert all(r[f"{key}/_type"] == "histogram" for r in ours)
     assert sum(ours[0][f"{key}/values"]) == 4 * 8  # batch 4 x 8 features
     assert all(r["telemetry/net.2/output_gradient/rms"] > 0 for r in ours)
-    assert all("loss" in r for r in ours[1:])  # the user logged step k+1 after step k
+    assert all("loss" in r for r in ours)
 
 
 # Forked processes deadlock in polars once the parent has used it (other tests have), so the
@@ -67,7 +70,11 @@ LAUNCH = textwrap.dedent(
 
 @pytest.mark.slow
 def test_two_processes_one_directory_per_rank_or_only_rank0(tmp_path: pathlib.Path) -> None:
-    """'all': a directory per rank; 'rank0': rank 0's only. TensorBoard gets rank 0's samples."""
+    """'all': a directory per rank; 'rank0': rank 0's only. TensorBoard gets rank 0's samples.
+
+    The main process logs step k + 1 after step k: its samples of steps 0, 2, 4 are 1, 3, 5. The
+    other process sees no log and keeps the tracker's count; optimizer_step is the same on both.
+    """
     subprocess.run(
         [sys.executable, "-W", "error", "-c", LAUNCH, str(tmp_path)],
         cwd=pathlib.Path(__file__).parent,
@@ -78,17 +85,19 @@ def test_two_processes_one_directory_per_rank_or_only_rank0(tmp_path: pathlib.Pa
         telemetry = tmp_path / policy / "telemetry"
         if policy == "all":
             assert sorted(p.name for p in telemetry.glob("rank-*")) == ["rank-000", "rank-001"]
-            for rank in (0, 1):
-                assert samples(telemetry / f"rank-{rank:03d}")["step"].to_list() == [0, 2, 4]
+            for rank, steps in ((0, [1, 3, 5]), (1, [0, 2, 4])):
+                frame = samples(telemetry / f"rank-{rank:03d}")
+                assert frame["step"].to_list() == steps
+                assert frame["optimizer_step"].to_list() == [0, 2, 4]
             frame = pl.scan_parquet(telemetry / "rank-*" / "history.parquet").collect()
             assert sorted(frame["rank"].unique()) == [0, 1]
         else:
             assert not list(telemetry.glob("rank-*"))
-            assert samples(telemetry)["step"].to_list() == [0, 2, 4]
+            assert samples(telemetry)["step"].to_list() == [1, 3, 5]
             frame = pl.read_parquet(telemetry / "history.parquet")
             assert frame["rank"].unique().to_list() == [0]
         assert set(frame["layer"]) == {"net.0", "net.1", "net.2"}  # no "module." of DDP
         tensorboard = events(tmp_path / policy / "exp")
         histograms = tensorboard.Histograms("telemetry/net.2/output_gradient/histogram")
-        assert [e.step for e in histograms] == [0, 2, 4]
-        assert [e.step for e in tensorboard.Scalars("telemetry/net.0/output/rms")] == [0, 2, 4]
+        assert [e.step for e in histograms] == [1, 3, 5]
+        assert [e.step for e in tensorboard.Scalars("telemetry/net.0/output/rms")] == [1, 3, 5]

@@ -1,9 +1,11 @@
-"""Map an ``Accelerator``'s trackers to the core's routing targets."""
+"""The ``Accelerator`` a tracker belongs to, and its trackers as the core's routing targets."""
 
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING, Any
 
+from accelerate import Accelerator  # type: ignore[import-untyped]
 from accelerate.tracking import TensorBoardTracker, WandBTracker  # type: ignore[import-untyped]
 
 from torchinstruments_core.routing import ScalarTarget, SummaryWriterTarget, WandbRunTarget
@@ -25,3 +27,34 @@ def tracker_targets(trackers: Iterable[Any]) -> list[Target]:
         else:
             targets.append(ScalarTarget(tracker.log))
     return targets
+
+
+def accelerator_holding(tracker: object) -> tuple[Accelerator | None, int]:
+    """The one live ``Accelerator`` whose ``log_with`` or ``trackers`` hold ``tracker``.
+
+    Accelerate keeps no registry of its accelerators (its ``AcceleratorState`` is shared by all
+    of them and knows none), so the garbage collector's list of objects is searched, once.
+
+    Returns:
+        That accelerator (``None`` unless exactly one holds the tracker) and how many do.
+    """
+    holders = _holders(tracker)
+    if len(holders) > 1:
+        holders.clear()
+        gc.collect()  # an accelerator left in a reference cycle lives on until a collection
+        holders = _holders(tracker)
+    return (holders[0] if len(holders) == 1 else None), len(holders)
+
+
+def _holders(tracker: object) -> list[Accelerator]:
+    # type(), not isinstance(): isinstance would read __class__, which a proxy may compute
+    return [
+        candidate
+        for candidate in gc.get_objects()
+        if issubclass(type(candidate), Accelerator) and _holds(candidate, tracker)
+    ]
+
+
+def _holds(accelerator: Accelerator, tracker: object) -> bool:
+    held = [*getattr(accelerator, "log_with", ()), *getattr(accelerator, "trackers", ())]
+    return any(t is tracker for t in held)

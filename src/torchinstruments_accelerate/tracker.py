@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,12 +14,14 @@ from torch import nn
 from typing_extensions import override
 
 from torchinstruments_accelerate._clock import OptimizerClock
-from torchinstruments_accelerate._trackers import tracker_targets
-from torchinstruments_core import ConfigurationError
+from torchinstruments_accelerate._trackers import accelerator_holding, tracker_targets
+from torchinstruments_core import ConfigurationError, ObservationWarning
 from torchinstruments_core.adapter import (
     AdapterPolicies,
+    HoldingSink,
     ObserveOptions,
     RoutingOptions,
+    StepNumbering,
     StepSchedule,
     loss_scale_reader,
     new_run_id,
@@ -46,18 +49,34 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
     Pass it in ``Accelerator(log_with=[...])`` beside the other trackers and call ``watch`` on the
     model (prepared or not) on every process. A tracker never sees the model, hence ``watch``; and
     it never sees the other trackers, hence ``watch(..., accelerator=accelerator)``, which routes
-    into them. Without ``accelerator`` only the run directory is written.
+    into them. Without ``accelerator``, ``watch`` uses the one ``Accelerator`` that holds this
+    tracker in its ``log_with``; if there is none or several, it warns (``ObservationWarning``)
+    and writes only the run directory.
 
     Steps: the tracker counts optimizer steps itself, alike on every process (a post-hook on the
     optimizer that steps the model's parameters: under ``accelerator.accumulate`` one tick per
     gradient synchronization; a step the fp16 scaler skips is not counted). It samples every
-    forward of the watched model during steps 0, n, 2n …: each micro-batch of an accumulated step
-    is one sample, and so is any other forward of the model in that step, such as an evaluation
-    batch (a forward-only sample). A sample's ``step`` is that count unless, on the main process,
-    ``accelerator.log(..., step=u)`` says otherwise: ``u`` then numbers the optimizer step in
-    progress (the first step, when logged before ``watch``; the next one, ``u + 1``, when a
-    forward of the current step was sampled already) and later steps count on from there. The
-    schedule does not move, and the other processes keep the plain count.
+    forward of the watched model during steps 0, n, 2n … of that count: each micro-batch of an
+    accumulated step is one sample, and so is any other forward of the model in that step, such
+    as an evaluation batch (a forward-only sample). Only the numbering follows the user: a sample's
+    ``step`` is the number the user's ``accelerator.log(..., step=u)`` gives its optimizer step.
+
+    - Step ``s``'s window runs from its first training forward (gradients enabled; evaluation
+      under ``torch.no_grad`` does not count) to the first training forward of the next step.
+      The first ``log`` with a ``step`` in that window numbers ``s``: a loop that logs before
+      ``optimizer.step()`` and one that logs after it (``if accelerator.sync_gradients:
+      accelerator.log(..., step=i)``) both name ``s``, 0-based, 1-based or from any offset, the
+      first sampled step included. A later log in the same window does not renumber it, and a
+      log at the top of the loop, before the forward, names the previous step.
+    - A step whose window ends without a log counts on from the last log (``s + u - t`` for the
+      last logged step ``t``); a log before the first forward (before ``watch`` too) numbers
+      step 0 until step 0's own window has one. Without any ``step=`` the number is the count.
+    - A step's samples wait (neither the run directory nor the trackers see them) until its
+      number is known: its first log, or else the end of its window, noticed at the next
+      optimizer step, log or sample, or at ``finish``. A step still waiting at ``finish`` (the
+      last step, sampled and never logged) goes to the run directory only. ``samples.parquet``
+      keeps the tracker's count in its ``optimizer_step`` column. Processes other than the main
+      one see no ``log`` call and number their steps by the count.
 
     ``finish`` (which ``accelerator.end_training()`` calls on the main process) removes every hook
     and finalizes the run directory; call it yourself on the other processes under
@@ -85,6 +104,7 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
         ``<accelerator.logging_dir>/telemetry`` (the project directory; ``./telemetry`` when
         neither is known), ``rank-NNN/`` inside per process under ``rank_policy="all"``:
         ``history.parquet``, ``samples.parquet``, ``result.json``, ``index.md``, ``tensorboard/``.
+        ``watch`` logs its absolute path at INFO on the main process.
 
     Args:
         run_name: Set by Accelerate when the tracker is registered by name
@@ -162,9 +182,8 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
         self._observer: Observer | None = None
         self._clock: OptimizerClock | None = None
         self._routed: Accelerator | None = None  # whose trackers receive the samples
-        self._steps = 0  # optimizer steps taken since watch()
-        self._offset = 0  # the user's step minus ours, from accelerator.log(..., step=)
-        self._samples_at_begin = 0
+        self._numbering = StepNumbering(self._training_forwards)  # also before watch()
+        self._holding: HoldingSink | None = None
         self._run_directory: Path | None = None
 
     @property
@@ -189,28 +208,37 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
                 (``module.`` of DDP and similar wrapper attributes are left out).
             accelerator: Where to route scalars and histograms (its ``trackers``), the default
                 folder (its ``logging_dir``) and the fp16 loss scale (its ``scaler``) come from.
+                By default the one ``Accelerator`` whose ``log_with`` holds this tracker.
 
         Returns:
             The core observer, or ``None`` on a process that does not observe.
 
         Raises:
             ConfigurationError: ``model`` is not a module, or the tracker already watches one.
+
+        Warns:
+            ObservationWarning: ``accelerator`` was not given and not exactly one ``Accelerator``
+                holds this tracker: nothing is routed; the message names the folder written.
         """
         if not isinstance(model, nn.Module):
             raise ConfigurationError.invalid("model", type(model).__name__, "a torch.nn.Module")
         if self._clock is not None:
             raise ConfigurationError("this tracker already watches a model; call finish() first")
+        holders = 1
+        if accelerator is None:
+            accelerator, holders = accelerator_holding(self)
         state = PartialState()
         main = state.is_main_process
         folder, run_id = self._shared(accelerator, main=main)
         if self.policies.rank_policy == "rank0" and not main:
             return None
+        if accelerator is None:
+            warnings.warn(_unrouted(holders, folder), ObservationWarning, stacklevel=2)
         self._run_directory = folder
+        sink = self._sink(folder, accelerator if main else None)
+        self._holding = HoldingSink(sink, self._numbering, error_policy=self.policies.error_policy)
         self._observer = self.observe.inject(
-            model,
-            sink=self._sink(folder, accelerator if main else None),
-            policies=self.policies,
-            run_id=run_id,
+            model, sink=self._holding, policies=self.policies, run_id=run_id
         )
         if self.policies.rank_policy == "all":
             # Every process holds its sink before any creates its rank-NNN/ (at its first
@@ -220,7 +248,6 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
             # called as each sample opens: after the scaler's update() that follows a tick
             scaler = getattr(accelerator, "scaler", None)
             self._observer.set_gradient_scale(loss_scale_reader(scaler, state.device))
-        self._steps = 0
         self._clock = OptimizerClock(model, self._on_optimizer_step)
         self._begin()
         if folder is not None and main:
@@ -229,22 +256,19 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
 
     @override
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        """Follow the user's ``step`` if given (see "Steps"); ``values`` are for other trackers."""
+        """Number the optimizer step in progress ``step`` (see "Steps"); ``values`` are ignored."""
         if step is None:
             return
-        if self._observer is None:
-            self._offset = int(step)  # before watch(): its first step is the user's
-            return
-        self._offset = int(step) - self._steps
-        if self._observer.samples_taken == self._samples_at_begin:
-            self._begin()  # no forward of this step sampled yet: renumber it
+        self._numbering.logged(int(step))
+        if self._holding is not None:
+            self._holding.release()
 
     @override
     def finish(self) -> None:
         """Remove every hook and finalize the run directory. Safe to call again, on any process.
 
         Routing stops first (``end_training`` may have closed the other trackers already): a
-        sample still on its way goes to the run directory only.
+        sample still on its way or held for its number goes to the run directory only.
         """
         clock, self._clock = self._clock, None
         if clock is not None:
@@ -252,19 +276,24 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
         self._routed = None
         observer, self._observer = self._observer, None
         if observer is not None:
-            observer.remove()
+            observer.remove()  # closes the holding sink: held samples go out, numbered
+            self._holding = None
+            self._numbering = StepNumbering(self._training_forwards)  # for a later watch()
 
     def _on_optimizer_step(self) -> None:
-        if self._observer is not None:
+        if self._observer is not None and self._holding is not None:
             self._observer.end_step()
-            self._steps += 1
+            self._numbering.stepped()
+            self._holding.release()
             self._begin()
 
     def _begin(self) -> None:
         assert self._observer is not None
-        sampled = self.schedule.samples(self._steps)
-        self._observer.begin_step(self._steps + self._offset, sample=sampled)
-        self._samples_at_begin = self._observer.samples_taken
+        step = self._numbering.step  # the tracker's count: the sink renumbers the samples
+        self._observer.begin_step(step, sample=self.schedule.samples(step))
+
+    def _training_forwards(self) -> int:
+        return self._observer.training_forwards if self._observer is not None else 0
 
     def _other_trackers(self) -> list[Target]:
         # Looked up at each write, so watch() may come before init_trackers(); none after finish().
@@ -286,9 +315,20 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
         if main:
             parent = accelerator.logging_dir if accelerator is not None else None
             base = self.output_dir or Path(parent or self.logging_dir or ".") / "telemetry"
-            folder = next_free_folder(base) if self.write_directory else None
+            folder = next_free_folder(base.absolute()) if self.write_directory else None
             run_id = new_run_id()
         if self.policies.rank_policy == "all":
             # Collective: every process takes part, and all of them write under main's folder.
             folder, run_id = broadcast_object_list([folder, run_id])
         return folder, run_id
+
+
+def _unrouted(holders: int, folder: Path | None) -> str:
+    """The warning of ``watch`` without an accelerator, when none or several hold the tracker."""
+    found = "no Accelerator holds" if holders == 0 else f"{holders} Accelerators hold"
+    where = f"writing the run directory to {folder}" if folder else "writing no run directory"
+    return (
+        f"TelemetryTracker.watch(model) got no accelerator and {found} this tracker in log_with: "
+        "nothing is routed into the other trackers and the fp16 loss scale is not read; "
+        f"{where}. Pass watch(model, accelerator=accelerator)."
+    )

@@ -21,6 +21,8 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from torch import is_grad_enabled
+
 from torchinstruments_core import _process
 from torchinstruments_core._capture import Attachment, GradientSlot, gradient_signal_site
 from torchinstruments_core._config import ErrorPolicy, RankPolicy
@@ -127,6 +129,7 @@ class Observer:
         self._removed = False
         self._local = _ThreadState()
         self._forward_index = 0
+        self._training_forwards = 0
         self._next_sample_id = config.first_sample_id
         self._running: dict[int, Sample] = {}  # samples whose forward runs, in any thread
         self._plan: _StepPlan | None = None
@@ -171,6 +174,11 @@ class Observer:
     def samples_taken(self) -> int:
         """The ``sample_id`` of the next sample (samples taken so far plus ``first_sample_id``)."""
         return self._next_sample_id
+
+    @property
+    def training_forwards(self) -> int:
+        """Root forwards run so far with gradients enabled (an evaluation under no_grad is not)."""
+        return self._training_forwards
 
     def begin_step(self, step: int, *, sample: bool) -> None:
         """Announce that the coming root forwards belong to trainer step ``step``.
@@ -374,6 +382,7 @@ class Observer:
             return  # nested in a sample, or activation checkpointing recomputing the root
         index = self._forward_index
         self._forward_index += 1
+        self._training_forwards += is_grad_enabled()
         if self._decide(index):
             self._start(self._plan.step if self._plan is not None else None)
 
@@ -458,15 +467,13 @@ class Observer:
         sample.duration_s += time.perf_counter() - started
 
     def _observe(self, sample: Sample, layer: Layer, output: Any) -> None:
-        import torch
-
         call_index = sample.next_call_index(layer.name)
         for path, tensor in iter_tensors(output):
             site = Site(layer.name, call_index, Signal.OUTPUT, path)
             sample.add(site, self._measure(tensor, site, layer.histogram))
             if tensor.requires_grad:
                 self._watch_gradient(sample, site, tensor, layer.histogram)
-            elif sample.grad_enabled and tensor.is_floating_point() and not torch.is_grad_enabled():
+            elif sample.grad_enabled and tensor.is_floating_point() and not is_grad_enabled():
                 # computed without autograd inside a forward with it: reentrant checkpointing,
                 # whose recomputation in the backward carries the gradient (see _recompute)
                 gradient_site = gradient_signal_site(site)

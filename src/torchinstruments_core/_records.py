@@ -74,6 +74,9 @@ class SampleRecord:
             transfer), so the cost of telemetry is visible.
         rows: The scalars, in the order they were measured.
         histograms: Histograms of the focus modules.
+        optimizer_step: The adapter's own count of optimizer steps (0, 1, 2 … since it began
+            observing) when ``step`` is the user's number for that step (the Accelerate tracker
+            numbers steps as ``accelerator.log(step=...)`` does); ``None`` otherwise.
     """
 
     run_id: str
@@ -85,6 +88,7 @@ class SampleRecord:
     collection_duration_ms: float
     rows: tuple[StatRow, ...]
     histograms: tuple[HistogramRecord, ...]
+    optimizer_step: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,9 @@
 
 An adapter maps its trainer's events to ``Observer`` calls and its loggers to routing targets;
 everything else it asks from here, so that the Lightning callback and the Accelerate tracker
-behave alike.
+behave alike. An adapter that never sees the user's step (it counts optimizer steps itself) puts
+a ``HoldingSink`` with a ``StepNumbering`` in front of its sink, so that its samples take the
+step numbers of the user's own logging.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from torchinstruments_core._config import (
     parse_choice,
 )
 from torchinstruments_core._inject import inject_observer
+from torchinstruments_core._numbering import HoldingSink as HoldingSink
+from torchinstruments_core._numbering import StepNumbering as StepNumbering
 from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS, LoggerRouter
 from torchinstruments_core.sinks import MultiSink
 

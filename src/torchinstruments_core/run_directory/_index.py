@@ -148,7 +148,7 @@ def _files() -> str:
 | file | what it holds |
 |---|---|
 | `history.parquet` | the long table: one row per scalar (schema below) |
-| `samples.parquet` | one row per sample: step, timestamp, forward_only, collection_duration_ms |
+| `samples.parquet` | a row per sample: step, optimizer_step, forward_only, collection_duration_ms |
 | `history.parts/` | the same data in immutable chunks while the run is going (removed at the end) |
 | `result.json` | aggregates per layer, call, signal, tensor and metric over the whole run |
 | `tensorboard/` | histograms of the focus modules: `tensorboard --logdir tensorboard` |"""

@@ -42,10 +42,15 @@ def history_schema() -> pl.Schema:
 
 
 def samples_schema() -> pl.Schema:
-    """The dtype of every column of ``samples.parquet``."""
+    """The dtype of every column of ``samples.parquet``.
+
+    ``optimizer_step`` is an adapter's own count of optimizer steps where ``step`` follows the
+    user's numbering (``SampleRecord.optimizer_step``), null otherwise.
+    """
     import polars as pl
 
     columns = _sample_columns() | {
+        "optimizer_step": pl.Int64(),
         "forward_only": pl.Boolean(),
         "collection_duration_ms": pl.Float64(),
         "rows": pl.Int64(),
@@ -82,6 +87,7 @@ def samples_frame(samples: Sequence[SampleRecord]) -> pl.DataFrame:
         "sample_id": [s.sample_id for s in samples],
         "step": [s.step for s in samples],
         "timestamp": [int(s.timestamp * 1_000_000) for s in samples],
+        "optimizer_step": [s.optimizer_step for s in samples],
         "forward_only": [s.forward_only for s in samples],
         "collection_duration_ms": [s.collection_duration_ms for s in samples],
         "rows": [len(s.rows) for s in samples],
