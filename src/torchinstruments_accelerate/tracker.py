@@ -79,10 +79,11 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
       one see no ``log`` call and number their steps by the count.
 
     ``finish`` (which ``accelerator.end_training()`` calls on the main process) removes every hook
-    and finalizes the run directory; call it yourself on the other processes under
-    ``rank_policy="all"`` (Accelerate keeps trackers on the main process only). A script that
-    never calls it, or dies of an exception, still gets a finalized directory at interpreter exit,
-    and the chunks in ``history.parts/`` are readable at any time. Under fp16 the gradients are
+    and finalizes the run directory. Accelerate keeps trackers on the main process only; under
+    ``rank_policy="all"`` the other processes finalize theirs when they end, under any launcher
+    (a ``debug_launcher`` or ``notebook_launcher`` child too), or earlier if you call ``finish``
+    there. A script that never calls it, dies of an exception or receives SIGTERM still gets a
+    finalized directory, and the chunks in ``history.parts/`` are readable at any time. Under fp16 the gradients are
     recorded divided by ``accelerator.scaler``'s loss scale, as the optimizer sees them.
 
     Logged metrics:

@@ -91,7 +91,10 @@ def inject_observer(
             had taken, so that ids continue.
 
     Returns:
-        The attached ``Observer``; also a context manager that removes itself.
+        The attached ``Observer``; also a context manager that removes itself. Left attached,
+        it is removed (its samples delivered, its run finalized) when the process ends normally,
+        a ``multiprocessing`` child included, or receives SIGTERM; in a child made by ``fork`` it
+        is inert. Forwards that run at once in several threads are separate samples.
 
     Raises:
         ObserverAlreadyAttachedError: ``model`` already has an observer.
