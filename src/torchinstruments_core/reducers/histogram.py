@@ -15,10 +15,10 @@ if TYPE_CHECKING:
 
 
 MAX_HISTOGRAM_BINS = 65_536
-"""The most bins a histogram may have. Each bin costs 8 bytes per histogram on the device, and
-finding its edge about 10 microseconds of host time when the sample is delivered (0.6 s for a
-histogram of 65,536 bins on one CPU core); far more bins would allocate gigabytes in the
-backward (10**7 bins took 19 GiB)."""
+"""The most bins a histogram may have. Each bin costs a few bytes per histogram on the device,
+and finding its edge about a microsecond of host time when the sample is delivered (60 ms for a
+histogram of 65,536 bins on one CPU core, within 15 MiB); far more bins would allocate gigabytes
+in the backward (10**7 bins took 19 GiB)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
