@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torchinstruments_core.reducers as reducers_module
+from torchinstruments_core import ConfigurationError, inject_observer
 from torchinstruments_core.reducers import (
     HistogramReducer,
     MomentsReducer,
@@ -19,6 +20,7 @@ from torchinstruments_core.reducers import (
     default_reducers,
 )
 from torchinstruments_core.reducers._host import HOST_BLOCK
+from torchinstruments_core.reducers._scaling import power_of_two_scale
 from torchinstruments_core.reducers.functional import (
     MOMENT_METRICS,
     count_sorted,
@@ -26,6 +28,8 @@ from torchinstruments_core.reducers.functional import (
     moments,
     quantiles,
 )
+from torchinstruments_core.reducers.histogram import MAX_HISTOGRAM_BINS
+from torchinstruments_core.testing import RecordingSink
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -262,6 +266,7 @@ def test_subsample_without_finite_values_is_nan() -> None:
         (lambda: QuantileReducer(exact="yes"), r"exact='yes'\).*True or False"),  # type: ignore[arg-type]
         (lambda: HistogramReducer(bins=0), r"bins=0\).*positive int"),
         (lambda: HistogramReducer(bins=1.5), r"bins=1.5\)"),  # type: ignore[arg-type]
+        (lambda: HistogramReducer(bins=10**7), r"bins=10000000\).*at most 65,536"),
     ],
 )
 def test_constructors_reject_bad_configuration(factory: Callable[[], object], message: str) -> None:
@@ -541,7 +546,8 @@ def test_each_inner_edge_is_the_first_float_of_its_bin(dtype: torch.dtype) -> No
     """The binning puts every edge in its own bin and the float just below it in the one before.
 
     The binning is the device's ``(x * 0.5 - lo * 0.5) * scale`` in the working dtype; the
-    edges come from the host search. Ranges cross zero, sit far from it, and span many powers.
+    edges come from the host search. Ranges cross zero, sit far from it, and span many powers;
+    bin counts reach past one block of thresholds searched at once.
     """
     from torchinstruments_core.reducers.functional import histogram_counts
 
@@ -553,7 +559,7 @@ def test_each_inner_edge_is_the_first_float_of_its_bin(dtype: torch.dtype) -> No
             2.0**scale_exponent
         )
         tensor = tensor.to(dtype)
-        bins = [1, 3, 64, 100][trial % 4]
+        bins = [1, 3, 64, 100, 4099][trial % 5]  # 4099: past one block of the edge search
         packed = histogram_counts(_prepare(tensor), bins)
         edges = torch.tensor(
             HistogramReducer(bins=bins).unpack(packed, float64=dtype == torch.float64)[0],
@@ -571,3 +577,93 @@ def test_each_inner_edge_is_the_first_float_of_its_bin(dtype: torch.dtype) -> No
         ]
         assert (bin_of[0] >= targets).all(), trial
         assert (bin_of[1] < targets).all(), trial
+
+
+def test_histogram_bins_are_bounded_where_they_are_configured() -> None:
+    """histogram_bins past MAX_HISTOGRAM_BINS fails in inject_observer, before any allocation.
+
+    10**7 bins allocated 19 GiB in the backward and 10**9 got the process killed; the error
+    names the argument, the value and the allowed range, and nothing is left attached.
+    """
+    model = torch.nn.Linear(2, 2)
+    for bins in (MAX_HISTOGRAM_BINS + 1, 10**7, 10**9):
+        with pytest.raises(ConfigurationError, match=rf"histogram_bins={bins} .*1 to 65,536"):
+            inject_observer(model, sink=RecordingSink(), histogram_bins=bins)
+    with inject_observer(model, sink=RecordingSink(), histogram_bins=MAX_HISTOGRAM_BINS):
+        pass
+
+
+def test_the_scale_is_an_exact_power_of_two_bringing_max_abs_to_one() -> None:
+    """The moments' scale: a normal power of two, ``max_abs * scale`` in ``[1, 2)`` where it can.
+
+    Zero and subnormal maxima get the largest normal power, infinity and NaN the smallest.
+    """
+    for dtype in (torch.float32, torch.float64):
+        info = torch.finfo(dtype)
+        exponents = {torch.float32: (-126, 127), torch.float64: (-1022, 1023)}[dtype]
+        for value in (1.0, 1.5, 3.0, 1e-3, 1e20, info.max, info.smallest_normal, 1e-30, 7e5):
+            max_abs = torch.tensor(value, dtype=dtype)
+            scale = power_of_two_scale(max_abs)
+            mantissa, exponent = math.frexp(scale.item())
+            assert mantissa == 0.5
+            assert exponents[0] <= exponent - 1 <= exponents[1]
+            scaled = (max_abs * scale).item()
+            if exponent - 1 == exponents[0]:  # the smallest normal power: max_abs near the top
+                assert 1.0 <= scaled < 4.0, value
+            else:
+                assert 1.0 <= scaled < 2.0, value
+        special = {
+            0.0: exponents[1],
+            info.smallest_normal * info.eps: exponents[1],  # the smallest subnormal
+            math.inf: exponents[0],
+            math.nan: exponents[0],
+        }
+        for value, expected in special.items():
+            scale = power_of_two_scale(torch.tensor(value, dtype=dtype)).item()
+            assert scale == 2.0**expected, value
+
+
+EDGE_MAGNITUDES = [1e20, 3e38, 1e-30, 1e-40]
+
+
+@pytest.mark.parametrize("magnitude", EDGE_MAGNITUDES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["finite", "nonfinite"])
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_moments_at_the_ends_of_the_float_range(
+    magnitude: float, dtype: torch.dtype, case: str, path: str
+) -> None:
+    """Entries whose squares or sums overflow or underflow float32 get accurate moments.
+
+    On the CPU shortcut and on the masked path accelerators run, against numpy in float64:
+    every statistic finite (the scale is a power of two found on the device, no host read).
+    """
+    generator = torch.Generator().manual_seed(21)
+    values = (torch.rand(50_001, generator=generator, dtype=torch.float64) * 1.6 - 0.6) * magnitude
+    tensor = values.to(dtype)
+    if case == "nonfinite":
+        tensor[::101] = math.nan
+        tensor[7] = math.inf
+    prepared = _prepare(tensor) if path == "host" else _prepare_device_path(tensor)
+    result = moments(prepared, chunk_size=16_384).to(torch.float64).numpy()
+    expected = _reference_moments(_as_float64(tensor))
+    spacing = 2 * torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
+    assert np.isfinite(result).all()
+    np.testing.assert_allclose(result, expected, rtol=2e-6, atol=spacing)
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_quantiles_between_the_largest_floats_of_both_signs_are_finite(
+    path: str, dtype: torch.dtype
+) -> None:
+    """Interpolating between -max and +max (whose difference overflows) stays finite."""
+    top = torch.finfo(dtype).max
+    tensor = torch.tensor([-top, top, -top, top, top * 0.5], dtype=dtype)
+    prepared = _prepare(tensor) if path == "host" else _prepare_device_path(tensor)
+    levels = (0.1, 0.3, 0.5, 0.6, 0.9)
+    result = quantiles(prepared, levels, exact=True).to(torch.float64).numpy()
+    ordered = np.sort(_as_float64(tensor)) / 2  # halves: numpy's own lerp would overflow
+    expected = np.quantile(ordered, levels) * 2
+    assert np.isfinite(result).all()
+    np.testing.assert_allclose(result, expected, rtol=1e-6)

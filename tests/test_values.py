@@ -6,6 +6,8 @@ import dataclasses
 import math
 import warnings
 from collections import OrderedDict
+from decimal import Decimal, localcontext
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -204,19 +206,6 @@ def test_reducer_error_under_warn_records_the_reason_and_warns_once() -> None:
     assert reasons == {"reducer_error: RuntimeError: boom"}
 
 
-def test_a_wrapper_tensor_subclass_never_breaks_the_forward() -> None:
-    """A tensor subclass without a numpy view gives reducer errors as values, not an exception."""
-    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
-    value = two_tensor.TwoTensor(torch.randn(100), torch.randn(100))
-    with pytest.warns(ObservationWarning, match="a reducer failed"):
-        rows = _observe(value)
-    assert rows
-    assert all(
-        row.value is None and (row.unavailable_reason or "").startswith("reducer_error")
-        for row in rows
-    )
-
-
 def test_reducer_error_under_raise_stops() -> None:
     """error_policy='raise' turns a failing reducer into ObservationError."""
     model = nn.Linear(2, 2)
@@ -279,3 +268,72 @@ def test_histograms_of_focus_modules() -> None:
         assert len(histogram.edges) == 11
         assert sum(histogram.counts) == 16 * 8
         assert histogram.nonfinite_count == 0
+
+
+EDGE_CASES = [
+    (torch.float32, 1e20),  # squares overflow float32
+    (torch.float32, 3e38),  # so does the sum
+    (torch.float32, 1e-30),  # squares underflow to zero
+    (torch.float32, 1e-42),  # the entries are subnormal
+    (torch.bfloat16, 1e37),
+    (torch.float16, 6e4),
+    (torch.float16, 1e-7),
+    (torch.float64, 1e300),
+    (torch.float64, 1e-300),
+]
+
+
+def _exact_reference(x: np.ndarray) -> dict[str, float]:
+    """Mean, std and rms of float64 entries computed exactly (fractions), rounded once."""
+    entries = [Fraction(float(v)) for v in x]
+    mean = sum(entries, Fraction(0)) / len(entries)
+    variance = sum(((e - mean) ** 2 for e in entries), Fraction(0)) / len(entries)
+    square_mean = sum((e * e for e in entries), Fraction(0)) / len(entries)
+    with localcontext() as context:
+        context.prec = 40
+
+        def sqrt(value: Fraction) -> float:
+            return float((Decimal(value.numerator) / Decimal(value.denominator)).sqrt())
+
+        return {"mean": float(mean), "std": sqrt(variance), "rms": sqrt(square_mean)}
+
+
+@pytest.mark.parametrize(("dtype", "magnitude"), EDGE_CASES)
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_every_finite_tensor_gets_finite_statistics(
+    dtype: torch.dtype, magnitude: float, nonfinite: bool
+) -> None:
+    """Entries near the largest or smallest floats still give every statistic, to rounding.
+
+    Mean, std and rms are checked against an exact (fraction) reference of the entries as given,
+    also with a NaN and an infinity among them (the masked path accelerators run).
+    """
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.rand(3001, generator=generator, dtype=torch.float64) * 1.6 - 0.6) * magnitude
+    x = x.to(dtype)
+    if nonfinite:
+        x[5], x[17] = math.nan, -math.inf
+    rows = _by_metric(_observe(x))
+    entries = x.to(torch.float64).numpy()
+    with np.errstate(over="ignore"):  # float64 squares overflow: the exact reference has them
+        expected = _reference(entries)
+    expected.update(_exact_reference(entries[np.isfinite(entries)]))
+    tolerance = 1e-12 if dtype == torch.float64 else 2e-6
+    working = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)
+    spacing = 2 * working.smallest_normal * working.eps  # results below it round to subnormals
+    for metric, value in expected.items():
+        assert rows[metric].unavailable_reason is None, (metric, rows[metric])
+        assert rows[metric].value == pytest.approx(value, rel=tolerance, abs=spacing), metric
+
+
+def test_values_at_the_top_of_the_float32_range() -> None:
+    """Entries at float32's largest finite value: mean, std, rms and quartiles all finite."""
+    top = torch.finfo(torch.float32).max
+    x = torch.tensor([top, -top, top, top, -top])
+    rows = _by_metric(_observe(x))
+    assert all(row.unavailable_reason is None for row in rows.values())
+    assert rows["mean"].value == pytest.approx(top / 5)
+    assert rows["rms"].value == pytest.approx(top)
+    assert rows["std"].value == pytest.approx(np.float64(top) * math.sqrt(24) / 5)
+    assert rows["p50"].value == pytest.approx(top)
+    assert rows["p25"].value == pytest.approx(-top)

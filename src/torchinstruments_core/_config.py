@@ -41,8 +41,21 @@ def check_exclusive(**arguments: object) -> None:
         raise ConfigurationError(f"{names} cannot be given together; pass only one of them")
 
 
-def check_positive_int(argument: str, value: Any, *, minimum: int) -> int:
-    """Return ``value`` if it is an int >= ``minimum``, else raise naming the argument."""
+def check_positive_int(
+    argument: str, value: Any, *, minimum: int, maximum: int | None = None
+) -> int:
+    """Return ``value`` if it is an int in ``[minimum, maximum]``, else raise naming the argument.
+
+    ``maximum`` ``None`` leaves the range open above.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigurationError.invalid(argument, value, f"an int >= {minimum}")
+        raise ConfigurationError.invalid(argument, value, _int_range(minimum, maximum))
+    if maximum is not None and value > maximum:
+        raise ConfigurationError.invalid(argument, value, _int_range(minimum, maximum))
     return value
+
+
+def _int_range(minimum: int, maximum: int | None) -> str:
+    if maximum is None:
+        return f"an int >= {minimum}"
+    return f"an int from {minimum:,} to {maximum:,}"

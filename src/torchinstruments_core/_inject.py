@@ -21,6 +21,7 @@ from torchinstruments_core._measure import Measurer
 from torchinstruments_core._observer import Observer, ObserverConfig
 from torchinstruments_core._registry import claim, lookup
 from torchinstruments_core.reducers import HistogramReducer, Reducer, default_reducers
+from torchinstruments_core.reducers.histogram import MAX_HISTOGRAM_BINS
 from torchinstruments_core.samplers import IntervalSampler, Sampler
 from torchinstruments_core.selectors import SelectorFn, leaf_modules
 
@@ -78,7 +79,8 @@ def inject_observer(
         histogram_selector: Chooses the focus modules that also get histograms (default: up to
             ``max_histogram_modules`` spread evenly over the observed modules).
         max_histogram_modules: At most this many focus modules (0 turns histograms off).
-        histogram_bins: Bins of each histogram, spanning the tensor's finite range.
+        histogram_bins: Bins of each histogram, spanning the tensor's finite range; at most
+            ``MAX_HISTOGRAM_BINS`` (65,536).
         rank_policy: ``"rank0"`` observes only global rank 0; ``"all"`` observes every rank.
         error_policy: ``"warn"``: a failing reducer or sink warns once and training goes on, the
             values recorded as unavailable; ``"raise"``: raise ``ObservationError``.
@@ -117,7 +119,9 @@ def inject_observer(
     if not isinstance(model, nn.Module):
         raise ConfigurationError.invalid("model", type(model).__name__, "a torch.nn.Module")
     histograms = check_positive_int("max_histogram_modules", max_histogram_modules, minimum=0)
-    bins = check_positive_int("histogram_bins", histogram_bins, minimum=1)
+    bins = check_positive_int(
+        "histogram_bins", histogram_bins, minimum=1, maximum=MAX_HISTOGRAM_BINS
+    )
     config = ObserverConfig(
         layers=select_layers(model, _selector(selector), histogram_selector, histograms),
         sampler=_build_sampler(interval, sampler),

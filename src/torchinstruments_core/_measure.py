@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from torchinstruments_core._plain import plain_tensor
 from torchinstruments_core._records import UnavailableReason
 from torchinstruments_core.reducers import (
     HistogramReducer,
@@ -37,9 +38,13 @@ class ReducerResult:
 
 @dataclass(slots=True)
 class Measurement:
-    """The reductions of one tensor, still on its device."""
+    """The reductions of one tensor, still on its device.
 
-    reason: UnavailableReason | None
+    ``reason`` is set when no value exists: an ``UnavailableReason``, or a ``reducer_error: …``
+    text when preparing the tensor raised (the error is then in ``errors``).
+    """
+
+    reason: str | None
     metrics: tuple[str, ...]
     n_finite: torch.Tensor | None = None
     results: list[ReducerResult] = field(default_factory=list)
@@ -47,19 +52,6 @@ class Measurement:
     histogram_bins: int = 0
     histogram_float64: bool = False
     errors: list[BaseException] = field(default_factory=list)
-
-
-def classify(tensor: torch.Tensor) -> UnavailableReason | None:
-    """Why ``tensor`` cannot be reduced, or ``None`` when it can."""
-    if tensor.is_meta:
-        return UnavailableReason.META_TENSOR
-    if tensor.layout != torch.strided:
-        return UnavailableReason.SPARSE_TENSOR
-    if not tensor.is_floating_point():
-        return UnavailableReason.UNSUPPORTED_DTYPE
-    if tensor.numel() == 0:
-        return UnavailableReason.EMPTY_TENSOR
-    return None
 
 
 def reducer_error_reason(error: BaseException) -> str:
@@ -108,22 +100,19 @@ class Measurer:
     ) -> Measurement:
         """Reduce ``tensor`` (divided by ``scale`` when given, on the tensor's device).
 
-        The histogram is computed too when ``with_histogram`` is set.
+        The histogram is computed too when ``with_histogram`` is set. Never raises: a tensor
+        that cannot be reduced gives its reason, and an exception from anything that touches
+        the tensor (unwrapping, conversion, a reducer) becomes a ``reducer_error`` reason with
+        the error in ``Measurement.errors``.
         """
-        reason = classify(tensor)
-        if reason is not None:
-            return Measurement(reason=reason, metrics=self.metrics)
-        with torch.no_grad(), _autocast_off(tensor.device):
-            if scale is not None:  # in the working dtype: fp16 would underflow
-                dtype = working_dtype(tensor.dtype)
-                if isinstance(scale, torch.Tensor):  # never read on the host: no device sync
-                    # non_blocking only towards a device: a host copy must land before it is read
-                    to_device = tensor.device.type != "cpu"
-                    scale = (
-                        scale.detach().reshape(()).to(tensor.device, dtype, non_blocking=to_device)
-                    )
-                tensor = tensor.detach().to(dtype) / scale
-            prepared = PreparedTensor(tensor, self._generator(tensor.device), self._index_cache)
+        try:
+            with torch.no_grad():
+                prepared = self._prepare(tensor, scale)
+        except Exception as error:  # an odd tensor must never break the step (error_policy decides)
+            return Measurement(reducer_error_reason(error), self.metrics, errors=[error])
+        if isinstance(prepared, UnavailableReason):
+            return Measurement(reason=prepared, metrics=self.metrics)
+        with torch.no_grad(), _autocast_off(prepared.device):
             measurement = Measurement(None, self.metrics, n_finite=prepared.n_finite)
             for reducer in self.reducers:
                 measurement.results.append(self._run(reducer, prepared, measurement))
@@ -131,18 +120,34 @@ class Measurer:
                 self._run_histogram(prepared, measurement)
         return measurement
 
+    def _prepare(
+        self, tensor: torch.Tensor, scale: float | torch.Tensor | None
+    ) -> PreparedTensor | UnavailableReason:
+        plain = plain_tensor(tensor)
+        if isinstance(plain, UnavailableReason):
+            return plain
+        with _autocast_off(plain.device):
+            if scale is not None:  # in the working dtype: fp16 would underflow
+                plain = plain.to(working_dtype(plain.dtype))
+                plain = plain / _on_device(scale, plain)
+            prepared = PreparedTensor(plain, self._generator(plain.device), self._index_cache)
+            _ = prepared.n_finite  # reads every entry: a tensor that cannot be read fails here
+        return prepared
+
     def _run(
         self, reducer: Reducer, prepared: PreparedTensor, measurement: Measurement
     ) -> ReducerResult:
         try:
-            return ReducerResult(reducer.metrics, reducer.reduce(prepared).reshape(-1))
+            values = _checked(reducer.reduce(prepared), len(reducer.metrics))
+            return ReducerResult(reducer.metrics, values)
         except Exception as error:  # a reducer must never break the forward (error_policy decides)
             measurement.errors.append(error)
             return ReducerResult(reducer.metrics, None, reducer_error_reason(error))
 
     def _run_histogram(self, prepared: PreparedTensor, measurement: Measurement) -> None:
         try:
-            measurement.histogram = self.histogram.reduce(prepared).reshape(-1)
+            packed = self.histogram.reduce(prepared)
+            measurement.histogram = _checked(packed, self.histogram.bins + 4)
             measurement.histogram_bins = self.histogram.bins
             measurement.histogram_float64 = prepared.values.dtype == torch.float64
         except Exception as error:
@@ -155,3 +160,30 @@ class Measurer:
             generator.manual_seed(self._seed)
             self._generators[device] = generator
         return generator
+
+
+def _on_device(scale: float | torch.Tensor, tensor: torch.Tensor) -> float | torch.Tensor:
+    """``scale`` as a divisor of ``tensor``: a tensor is moved there, never read on the host."""
+    if not isinstance(scale, torch.Tensor):
+        return scale
+    # non_blocking only towards a device: a host copy must land before it is read
+    to_device = tensor.device.type != "cpu"
+    plain = scale.detach().reshape(())
+    return plain.to(tensor.device, tensor.dtype, non_blocking=to_device)
+
+
+def _checked(values: object, size: int) -> torch.Tensor:
+    """A reducer's result as the flat plain tensor the host transfer can read, or raise why not.
+
+    A wrong result found here costs its reducer's values; found in the transfer, it would cost
+    the whole sample, raised inside the user's backward.
+    """
+    if type(values) is not torch.Tensor:
+        raise TypeError(f"a reducer returned {type(values).__name__}, not a plain torch.Tensor")
+    if values.is_meta or values.is_complex() or values.layout != torch.strided:
+        raise TypeError(
+            f"a reducer returned a {values.dtype} {values.layout} tensor on {values.device}"
+        )
+    if values.numel() != size:
+        raise ValueError(f"a reducer returned {values.numel()} values for {size} metrics")
+    return values.reshape(-1)

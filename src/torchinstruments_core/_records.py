@@ -26,6 +26,8 @@ class UnavailableReason(StrEnum):
     UNSUPPORTED_DTYPE = "unsupported_dtype"
     SPARSE_TENSOR = "sparse_tensor"
     META_TENSOR = "meta_tensor"
+    TENSOR_SUBCLASS = "tensor_subclass"
+    PARTIAL_DTENSOR = "partial_dtensor"
     NO_GRADIENT = "no_gradient"
     REDUCER_ERROR = "reducer_error"
 

@@ -95,8 +95,9 @@ class PreparedTensor:
         """Sum, sum of squares, min, max and zero count, when on the CPU and every sum is finite.
 
         One pass, block by block (``_host.summarize``). ``None`` on accelerators, where reading
-        a value would make the host wait; for wrapper tensor subclasses (``DTensor``), which
-        have no numpy view; and where a block's sum is not finite: a NaN or an infinity then
+        a value would make the host wait; for a wrapper tensor subclass given directly, which
+        has no numpy view (the engine passes plain tensors: a ``DTensor`` as its local
+        tensor); and where a block's sum is not finite: a NaN or an infinity then
         sends the reducers down the masked path, and entries so large that their sum
         overflows down the unmasked one.
         """

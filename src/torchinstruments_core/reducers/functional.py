@@ -25,6 +25,7 @@ from torchinstruments_core.reducers._binning import (
     histogram_counts,
     split_histogram,
 )
+from torchinstruments_core.reducers._scaling import power_of_two_scale, squares_are_safe
 from torchinstruments_core.reducers.base import CHUNK_SIZE
 
 if TYPE_CHECKING:
@@ -69,12 +70,18 @@ def _host_moments(prepared: PreparedTensor, chunk_size: int) -> torch.Tensor | N
     instead of a pass that writes the deviations and two that read them, and is accurate to
     ~1e-6 where the mean is not large against the spread; elsewhere (``mean**2 > 4 *
     variance``) the squared deviations from the mean are summed chunk by chunk. The eight values
-    become one tensor at the end instead of passing through a dozen scalar kernels.
+    become one tensor at the end instead of passing through a dozen scalar kernels. ``None``
+    too where the entries are so large or so small that their squares need scaling
+    (``_scaling.squares_are_safe``): ``moments`` then scales them.
     """
     summary = prepared.host_summary
     if summary is None:
         return None
     count = prepared.numel
+    lo, hi = summary.lo, summary.hi
+    max_abs = max(abs(lo), abs(hi))
+    if not squares_are_safe(max_abs, count, prepared.values.dtype):
+        return None
     mean = summary.total / count
     m2 = summary.squares - summary.total * mean
     if not (math.isfinite(m2) and m2 > 0.0 and mean * mean * count <= _CONDITIONING * m2):
@@ -84,7 +91,6 @@ def _host_moments(prepared: PreparedTensor, chunk_size: int) -> torch.Tensor | N
             float((chunk - shift).square_().sum()) for chunk, _ in prepared.chunks(chunk_size)
         )
         m2 = max(squares - count * (mean - shift) ** 2, 0.0)
-    lo, hi = summary.lo, summary.hi
     variance = m2 / count
     values = [
         mean,
@@ -94,23 +100,28 @@ def _host_moments(prepared: PreparedTensor, chunk_size: int) -> torch.Tensor | N
         summary.zeros / count,
         0.0,
         math.sqrt(variance + mean * mean),
-        max(abs(lo), abs(hi)),
+        max_abs,
     ]
     return torch.tensor(values, dtype=prepared.values.dtype)
 
 
-def _chunk_partial(chunk: torch.Tensor, mask: torch.Tensor | None) -> _Partial:
-    """First pass: count and mean; second: the sum of squared deviations."""
+def _chunk_partial(chunk: torch.Tensor, mask: torch.Tensor | None, scale: torch.Tensor) -> _Partial:
+    """Count, then mean and sum of squared deviations of the entries times ``scale``.
+
+    The scaled copy doubles as the deviations' buffer: one temporary per chunk.
+    """
     if mask is None:
         count = torch.full((), chunk.numel(), dtype=torch.int64, device=chunk.device)
-        mean = chunk.sum() / chunk.numel()
-        deviations = chunk - mean
+        scaled = chunk * scale
+        mean = scaled.sum() / chunk.numel()
+        deviations = scaled.sub_(mean)
     else:
         count = torch.count_nonzero(mask)
+        scaled = torch.where(mask, chunk, 0).mul_(scale)
         # clamp keeps an empty chunk at mean 0 instead of NaN, so the combination can skip it
-        mean = torch.where(mask, chunk, 0).sum() / count.clamp(min=1)
-        # non-finite entries take the mean's place: a zero deviation
-        deviations = torch.where(mask, chunk, mean).sub_(mean)
+        mean = scaled.sum() / count.clamp(min=1)
+        # non-finite entries (held as 0) get a zero deviation
+        deviations = scaled.sub_(mean).mul_(mask)
     return _Partial(count, mean, deviations.square_().sum())
 
 
@@ -144,12 +155,17 @@ def _zero_count(chunk: torch.Tensor) -> torch.Tensor | int:
 def moments(prepared: PreparedTensor, *, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
     """Scale and range statistics of the finite entries, and the zero and non-finite fractions.
 
-    The variance is computed per chunk in two passes (mean, then squared deviations) and the
-    chunks are combined with Chan et al.'s parallel formula, so it stays accurate when the mean is
-    large against the spread. Counts are int64 and only become floating point in the last division.
-    On the CPU an all-finite tensor (the common case, known from its sums) skips every mask, and
-    where the mean is not large against the spread the squared deviations come from blocked dot
-    products: everything from one pass, block by block (``PreparedTensor.host_summary``).
+    Every tensor with a finite entry gets finite statistics, however large or small its
+    entries (float32 near 3.4e38 or 1e-45, float64 near 1.8e308): the sums run on the entries
+    times a power of two that brings the largest magnitude into ``[1, 2)`` (exact, computed on
+    the device from the bits of ``max_abs``), and the results are divided by it. The variance is
+    computed per chunk in two passes (mean, then squared deviations) and the chunks are combined
+    with Chan et al.'s parallel formula, so it stays accurate when the mean is large against the
+    spread. Counts are int64 and only become floating point in the last division. On the CPU an
+    all-finite tensor of ordinary magnitude (the common case, known from its sums) skips every
+    mask and the scaling, and where the mean is not large against the spread the squared
+    deviations come from blocked dot products: everything from one pass, block by block
+    (``PreparedTensor.host_summary``).
 
     Args:
         prepared: The tensor to reduce.
@@ -171,25 +187,32 @@ def moments(prepared: PreparedTensor, *, chunk_size: int = CHUNK_SIZE) -> torch.
         if host is not None:
             return host
     dtype = prepared.values.dtype
+    lo, hi = prepared.finite_range
+    max_abs = torch.maximum(lo.abs(), hi.abs())  # inf when there is no finite entry
+    scale = power_of_two_scale(max_abs)
     partials: list[_Partial] = []
     zeros = torch.zeros((), dtype=torch.int64, device=prepared.device)
     for chunk, mask in prepared.chunks(chunk_size):
-        partials.append(_chunk_partial(chunk, mask))
+        partials.append(_chunk_partial(chunk, mask, scale))
         zeros += _zero_count(chunk)
     size, mean, m2 = _combine(partials)
+    # in the scaled domain |mean| <= max_abs and std, rms <= max_abs: rounding must not push
+    # a result past the largest entry (or past the largest float, once divided by scale)
+    bound = max_abs * scale
+    mean = torch.minimum(torch.maximum(mean, lo * scale), hi * scale)
     variance = m2 / size.to(dtype)
     present = size > 0
-    lo, hi = (torch.where(present, bound, math.nan) for bound in prepared.finite_range)
+    lo, hi, max_abs = (torch.where(present, value, math.nan) for value in (lo, hi, max_abs))
     return torch.stack(
         [
-            mean,
-            variance.sqrt(),
+            mean / scale,
+            torch.minimum(variance.sqrt(), bound) / scale,
             lo,
             hi,
             zeros.to(dtype) / prepared.numel,
             (prepared.numel - prepared.n_finite).to(dtype) / prepared.numel,
-            (variance + mean.square()).sqrt(),
-            torch.maximum(lo.abs(), hi.abs()),
+            torch.minimum((variance + mean.square()).sqrt(), bound) / scale,
+            max_abs,
         ]
     )
 
@@ -231,7 +254,16 @@ def _interpolate(
     low, high = ordered[below_index], ordered[above_index]
     span = high - low
     result = torch.where(gamma >= 0.5, high - span * (1 - gamma), low + span * gamma)
+    # where the span overflows (ends of opposite sign near the largest float), lerp in halves
+    result = torch.where(span.isfinite(), result, _halved_lerp(low, high, gamma))
     return torch.where(n_finite > 0, result, math.nan)
+
+
+def _halved_lerp(low: torch.Tensor, high: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """``low + (high - low) * gamma`` on halves, which cannot overflow; exact doubling back."""
+    half_low, half_high = low * 0.5, high * 0.5
+    half = half_low + (half_high - half_low) * gamma
+    return torch.minimum(torch.maximum(half, half_low), half_high) * 2
 
 
 def quantiles(
@@ -295,8 +327,14 @@ def _host_quantiles(ordered: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
         below = min(math.floor(position), last)
         gamma = values.dtype.type(position - below)
         low, high = values[below], values[min(below + 1, last)]
-        span = high - low
-        result.append(high - span * (1 - gamma) if gamma >= 0.5 else low + span * gamma)
+        with np.errstate(over="ignore"):  # an overflowing span is handled below
+            span = high - low
+        if not np.isfinite(span):
+            half_low, half_high = low * values.dtype.type(0.5), high * values.dtype.type(0.5)
+            half = min(max(half_low + (half_high - half_low) * gamma, half_low), half_high)
+            result.append(half * 2)
+        else:
+            result.append(high - span * (1 - gamma) if gamma >= 0.5 else low + span * gamma)
     return torch.tensor(result, dtype=ordered.dtype)
 
 

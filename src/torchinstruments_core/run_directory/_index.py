@@ -10,6 +10,7 @@ import platform
 import time
 from typing import TYPE_CHECKING
 
+from torchinstruments_core._records import UnavailableReason
 from torchinstruments_core.run_directory._layout import atomic_write_text
 from torchinstruments_core.run_directory._tables import history_schema
 
@@ -30,8 +31,7 @@ _MEANINGS = {
     "tensor_path": "where the tensor sits in the output: `output`, `output.0`, `output.logits`",
     "metric": "the statistic (see Metrics)",
     "value": "the statistic's value; null exactly when `unavailable_reason` is set",
-    "unavailable_reason": "why there is no value: empty_tensor, no_finite_values, "
-    "unsupported_dtype, sparse_tensor, meta_tensor, no_gradient, non_finite_result, reducer_error",
+    "unavailable_reason": "why there is no value: " + ", ".join(UnavailableReason),
 }
 
 _METRICS = """\
