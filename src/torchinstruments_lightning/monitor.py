@@ -53,7 +53,7 @@ class TelemetryMonitor(Callback):
         Into ``trainer.loggers`` on global rank 0, at ``trainer.global_step``:
 
         - ``<prefix>/<layer>/<signal>/<metric>``: for each focus layer (up to
-          ``max_histogram_modules``, spread over the model's depth), ``signal`` ``output`` and
+          ``max_histogram_modules``, see ``histogram_selector``), ``signal`` ``output`` and
           ``output_gradient``, ``metric`` in ``scalar_metrics`` (default ``rms``, ``max_abs``,
           ``nonfinite_fraction``). A second call of a module adds ``/call_<k>`` after the signal,
           a tensor inside a nested output its path (``/output.0``).
@@ -79,6 +79,10 @@ class TelemetryMonitor(Callback):
         selector: Which modules are observed (default: every leaf module).
         reducers: Scalar reducers (default: the eleven metrics of ``default_reducers()``).
         histogram_selector: Which modules are the focus layers (histograms and logged scalars).
+            Default: modules with parameters of their own, spread over the model's depth (first
+            and last included) and always the one with the most parameters; parameter-free
+            modules only when fewer have parameters, and never ``Flatten``, ``Identity``,
+            dropout or pooling, whose statistics repeat the layer before them.
         max_histogram_modules: At most this many focus layers.
         rank_policy: ``"rank0"`` observes only global rank 0; ``"all"`` every rank, each writing
             its own ``rank-NNN/``; routing into loggers stays on rank 0.
