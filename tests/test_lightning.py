@@ -83,6 +83,7 @@ def test_a_tensorboard_logger_holds_the_only_copy_of_the_telemetry(tmp_path: pat
     found = _telemetry_tags(version)
     assert list(found) == [version]
     assert "telemetry/layer/output/histogram" in found[version]
+    assert monitor.run_directory == version / "telemetry"
     assert (version / "telemetry" / "history.parquet").exists()
     assert not (version / "telemetry" / "tensorboard").exists()
 

@@ -159,6 +159,7 @@ class TelemetryMonitor(Callback):
         self.unscale_gradients = unscale_gradients
         self.observe = ObserveOptions(selector, reducers, histogram_selector, max_histogram_modules)
         self._observer: Observer | None = None
+        self._run_directory: Path | None = None
         # The state a checkpoint saves now, and the one restored for the next attach.
         self._state: dict[str, Any] = {}
         self._restored: dict[str, Any] | None = None
@@ -167,6 +168,11 @@ class TelemetryMonitor(Callback):
     def observer(self) -> Observer | None:
         """The core observer while attached (``None`` before fitting and on unobserved ranks)."""
         return self._observer
+
+    @property
+    def run_directory(self) -> Path | None:
+        """The current or last run's directory (``None`` before it, or without one)."""
+        return self._run_directory
 
     # Attached at the start of the stage, not in setup: a checkpoint's callback state (sample ids
     # to continue) is restored between the two.
@@ -305,6 +311,7 @@ class TelemetryMonitor(Callback):
             root = Path(log_dir or trainer.default_root_dir)
             folder = self._choose_folder(trainer, root, run_id, resume)
         folder, run_id = trainer.strategy.broadcast((folder, run_id))
+        self._run_directory = folder.path if folder is not None else None
         first = int(resume.get("samples_taken", 0)) if resume is not None else 0
         if self.policies.rank_policy == "all" or trainer.is_global_zero:
             self._inject(trainer, pl_module, folder, run_id, first)
