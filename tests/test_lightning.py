@@ -253,6 +253,23 @@ def test_run_id_rank_sample_id_is_a_unique_key_across_fits_and_resumes(
     assert not history.select(key).is_duplicated().any()
 
 
+def test_an_occupied_output_dir_gives_a_fresh_run_a_folder_of_its_own(
+    tmp_path: pathlib.Path,
+) -> None:
+    """output_dir holding a run: a fresh fit writes <output_dir>-<run_id>, never -resumed-."""
+    out = tmp_path / "stats"
+    monitors = [TelemetryMonitor(every_n_steps=2, output_dir=out) for _ in range(2)]
+    for monitor in monitors:
+        trainer(
+            tmp_path, max_steps=2, logger=False, enable_checkpointing=False, callbacks=[monitor]
+        ).fit(Regressor(), loader())
+    first, second = (m.run_directory for m in monitors)
+    assert first == out
+    assert second is not None
+    run_id = pl_.read_parquet(second / "samples.parquet")["run_id"][0]
+    assert second == tmp_path / f"stats-{run_id}"
+
+
 def test_fp16_gradients_are_reported_unscaled(tmp_path: pathlib.Path) -> None:
     """Under 16-mixed with a GradScaler, gradients are recorded divided by the loss scale."""
     from lightning.pytorch.plugins.precision import MixedPrecision

@@ -299,10 +299,7 @@ class TelemetryMonitor(Callback):
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._observer is not None:
             return
-        restored, self._restored = self._restored, None
-        # Only a fit restores callback state; validate(ckpt_path=...) resumes no run.
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        resume = (restored or {}) if fitting and (restored or trainer.ckpt_path) else None
+        resume = self._resume(trainer)
         # Collective calls (log_dir, broadcast, barrier): every rank takes part before any rank
         # decides not to observe.
         log_dir = trainer.log_dir if self.write_directory else None
@@ -323,17 +320,30 @@ class TelemetryMonitor(Callback):
         # sample); a sink built later would take that folder for an older run's.
         trainer.strategy.barrier("torchinstruments-attach")
 
+    def _resume(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        """The checkpoint's state when this fit resumes one (``{}`` if it holds none of ours)."""
+        restored, self._restored = self._restored, None
+        # Only a fit restores callback state; validate(ckpt_path=...) resumes no run.
+        if trainer.state.fn == TrainerFn.FITTING and (restored or trainer.ckpt_path):
+            return restored or {}
+        return None
+
     def _choose_folder(
         self, trainer: pl.Trainer, log_dir: Path, run_id: str, resume: dict[str, Any] | None
     ) -> RunFolder:
         """The rule of "Runs and folders" in the class docstring."""
         name = run_name(trainer.loggers)
-        if self.output_dir is not None:
-            base = self.output_dir
-        elif name is not None and log_dir.name == name:
-            base = log_dir / "telemetry"  # the log dir is the run's own: .../version_3/telemetry
-        else:
-            base = log_dir / "telemetry" / str((resume or {}).get("run_name") or name or run_id)
+        if self.output_dir is None and name is not None and log_dir.name == name:
+            # The log dir is the run's own (.../version_3/telemetry); the name goes with the state.
+            folder = self._folder_in(log_dir / "telemetry", run_id, resume)
+            return RunFolder(folder.path, name)
+        base = self.output_dir or log_dir / "telemetry" / str(
+            (resume or {}).get("run_name") or name or run_id
+        )
+        return self._folder_in(base, run_id, resume)
+
+    @staticmethod
+    def _folder_in(base: Path, run_id: str, resume: dict[str, Any] | None) -> RunFolder:
         if resume is not None:
             return resumed_folder(base.parent, base.name)
         return fresh_folder(base.parent, base.name, run_id)
