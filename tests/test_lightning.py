@@ -10,6 +10,7 @@ import polars as pl_
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -58,6 +59,62 @@ def test_tensorboard_and_csv_loggers_get_the_sampled_steps(tmp_path: pathlib.Pat
     history = pl_.read_parquet(pathlib.Path(tensorboard.log_dir) / "telemetry" / "history.parquet")
     assert sorted(history["step"].unique()) == SAMPLED
     assert set(history["layer"]) == {"net.0", "net.1", "net.2"}
+
+
+def _telemetry_tags(root: pathlib.Path) -> dict[pathlib.Path, set[str]]:
+    """Every folder under ``root`` whose event files hold telemetry tags, with those tags."""
+    found = {}
+    for folder in {p.parent for p in root.rglob("events.out.tfevents.*")}:
+        tags = _events(folder).Tags()
+        ours = {t for t in tags["scalars"] + tags["histograms"] if t.startswith("telemetry/")}
+        if ours:
+            found[folder] = ours
+    return found
+
+
+def test_a_tensorboard_logger_holds_the_only_copy_of_the_telemetry(tmp_path: pathlib.Path) -> None:
+    """With a TensorBoardLogger, one event-file folder of the version dir holds telemetry tags."""
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    monitor = TelemetryMonitor(every_n_steps=2)
+    trainer(tmp_path, max_steps=6, logger=logger, callbacks=[monitor], limit_val_batches=0).fit(
+        BoringModel()
+    )
+    version = pathlib.Path(logger.log_dir)
+    found = _telemetry_tags(version)
+    assert list(found) == [version]
+    assert "telemetry/layer/output/histogram" in found[version]
+    assert monitor.run_directory == version / "telemetry"
+    assert (version / "telemetry" / "history.parquet").exists()
+    assert not (version / "telemetry" / "tensorboard").exists()
+
+
+def test_directory_tensorboard_writes_the_logger_tags(tmp_path: pathlib.Path) -> None:
+    """directory_tensorboard=True beside a TensorBoardLogger: same tags, steps and values."""
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    monitor = TelemetryMonitor(every_n_steps=2, directory_tensorboard=True)
+    trainer(tmp_path, max_steps=6, logger=logger, callbacks=[monitor], limit_val_batches=0).fit(
+        BoringModel()
+    )
+    version = pathlib.Path(logger.log_dir)
+    found = _telemetry_tags(version)
+    directory = version / "telemetry" / "tensorboard"
+    assert set(found) == {version, directory}
+    assert found[version] == found[directory]
+    logged, ours = _events(version), _events(directory)
+    for tag in found[version] - {t for t in found[version] if t.endswith("/histogram")}:
+        expected = [(e.step, e.value) for e in logged.Scalars(tag)]
+        assert [(e.step, e.value) for e in ours.Scalars(tag)] == expected
+        assert [step for step, _ in expected] == [0, 2, 4]
+
+
+def test_without_a_tensorboard_logger_the_run_directory_writes_one(tmp_path: pathlib.Path) -> None:
+    """A CSVLogger only: the run directory's tensorboard/ holds the histograms (auto is on)."""
+    logger = CSVLogger(tmp_path, name="csv")
+    trainer(
+        tmp_path, max_steps=4, logger=logger, callbacks=[TelemetryMonitor(every_n_steps=2)]
+    ).fit(Regressor(), loader())
+    directory = pathlib.Path(logger.log_dir) / "telemetry" / "tensorboard"
+    assert "telemetry/net.0/output/histogram" in _telemetry_tags(directory)[directory]
 
 
 def test_every_micro_batch_of_an_accumulated_step_is_sampled(tmp_path: pathlib.Path) -> None:
@@ -139,7 +196,7 @@ def test_keyboard_interrupt_removes_hooks_and_finalizes(tmp_path: pathlib.Path) 
 
 
 def test_resume_continues_sample_ids_and_steps_without_overwriting(tmp_path: pathlib.Path) -> None:
-    """Resuming from a checkpoint continues sample ids and steps; the first run's files stay."""
+    """A resumed fit continues sample ids and steps in telemetry-resumed-1/ under a new run id."""
     logger = TensorBoardLogger(tmp_path, name="run", version=0)
     first = trainer(
         tmp_path, max_steps=4, logger=logger, callbacks=[TelemetryMonitor(every_n_steps=2)]
@@ -159,7 +216,58 @@ def test_resume_continues_sample_ids_and_steps_without_overwriting(tmp_path: pat
     resumed = pl_.read_parquet(folder / "telemetry-resumed-1" / "samples.parquet")
     assert first_samples.select("sample_id", "step").rows() == [(0, 0), (1, 2)]
     assert resumed.select("sample_id", "step").rows() == [(2, 4), (3, 6)]
-    assert resumed["run_id"].unique().to_list() == first_samples["run_id"].unique().to_list()
+    assert resumed["run_id"].n_unique() == first_samples["run_id"].n_unique() == 1
+    assert resumed["run_id"][0] != first_samples["run_id"][0]
+
+
+def test_run_id_rank_sample_id_is_a_unique_key_across_fits_and_resumes(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Fitting twice with one callback and resuming from an earlier checkpoint repeat no key.
+
+    The checkpoint at step 4 says 2 samples were taken while the run went on to 4: the resumed
+    fits (with the same callback, and with a new one as in a new process) take sample ids 2 and
+    3 again, under run ids of their own. All folders are read together.
+    """
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_train_steps=2)
+    monitor = TelemetryMonitor(every_n_steps=2)
+    trainer(tmp_path, max_steps=8, logger=False, callbacks=[monitor, saver]).fit(
+        Regressor(), loader()
+    )
+    quiet = {"logger": False, "enable_checkpointing": False}
+    trainer(tmp_path, max_steps=4, callbacks=[monitor], **quiet).fit(Regressor(), loader())
+    earlier = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    for callback in (monitor, TelemetryMonitor(every_n_steps=2)):
+        resumed = trainer(tmp_path, max_steps=8, callbacks=[callback], **quiet)
+        with pytest.warns(UserWarning, match="callbacks used to create the checkpoint"):
+            resumed.fit(Regressor(), loader(), ckpt_path=earlier)
+    folders = sorted(p.parent for p in (tmp_path / "telemetry").glob("*/samples.parquet"))
+    assert len(folders) == 4
+    assert sum(f.name.endswith(("-resumed-1", "-resumed-2")) for f in folders) == 2
+    samples = pl_.read_parquet([f / "samples.parquet" for f in folders])
+    assert samples.height == 4 + 2 + 2 + 2
+    assert not samples.select("run_id", "rank", "sample_id").is_duplicated().any()
+    assert samples["run_id"].n_unique() == 4
+    history = pl_.read_parquet([f / "history.parquet" for f in folders])
+    key = ["run_id", "rank", "sample_id", "layer", "call_index", "signal", "tensor_path", "metric"]
+    assert not history.select(key).is_duplicated().any()
+
+
+def test_an_occupied_output_dir_gives_a_fresh_run_a_folder_of_its_own(
+    tmp_path: pathlib.Path,
+) -> None:
+    """output_dir holding a run: a fresh fit writes <output_dir>-<run_id>, never -resumed-."""
+    out = tmp_path / "stats"
+    monitors = [TelemetryMonitor(every_n_steps=2, output_dir=out) for _ in range(2)]
+    for monitor in monitors:
+        trainer(
+            tmp_path, max_steps=2, logger=False, enable_checkpointing=False, callbacks=[monitor]
+        ).fit(Regressor(), loader())
+    first, second = (m.run_directory for m in monitors)
+    assert first == out
+    assert second is not None
+    run_id = pl_.read_parquet(second / "samples.parquet")["run_id"][0]
+    assert second == tmp_path / f"stats-{run_id}"
 
 
 def test_fp16_gradients_are_reported_unscaled(tmp_path: pathlib.Path) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
+from contextlib import nullcontext
 
 import polars as pl
 import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 
 from lightning_helpers import Regressor, loader, trainer
@@ -34,6 +37,50 @@ def test_wandb_offline_run_holds_histograms_at_the_sampled_steps(tmp_path: pathl
     assert all(r["telemetry/net.2/output_gradient/rms"] > 0 for r in ours)
 
 
+def test_fresh_wandb_runs_sharing_a_directory_get_folders_named_after_them(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two fresh fits into one save_dir: telemetry/<W&B run id>/ each; a resume: -resumed-1.
+
+    Each folder is logged on rank 0 with its absolute path.
+    """
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    caplog.set_level(logging.INFO)
+    run_ids = []
+    for number in range(3):
+        logger = WandbLogger(project="telemetry-test", save_dir=str(tmp_path), offline=True)
+        saver = ModelCheckpoint(
+            dirpath=tmp_path / f"ckpt{number}", save_top_k=-1, every_n_train_steps=2
+        )
+        resume = {"ckpt_path": tmp_path / "ckpt0" / "epoch=0-step=2.ckpt"} if number == 2 else {}
+        # The resumed fit checkpoints elsewhere, which Lightning points out.
+        said = pytest.warns(UserWarning, match="dirpath has changed") if resume else nullcontext()
+        fit = trainer(
+            tmp_path,
+            max_steps=4,
+            logger=logger,
+            callbacks=[TelemetryMonitor(every_n_steps=2), saver],
+        )
+        with said:
+            fit.fit(Regressor(), loader(), **resume)
+        run_ids.append(logger.experiment.id)
+        wandb.finish()
+    wandb.teardown()
+    first, second, _ = run_ids
+    telemetry = tmp_path / "telemetry"
+    expected = [first, f"{first}-resumed-1", second]
+    assert sorted(p.name for p in telemetry.iterdir()) == sorted(expected)
+    for name in expected:
+        assert (telemetry / name / "history.parquet").exists()
+        assert any(str((telemetry / name).resolve()) in r.getMessage() for r in caplog.records)
+    resumed = pl.read_parquet(telemetry / f"{first}-resumed-1" / "samples.parquet")
+    assert resumed.select("sample_id", "step").rows() == [(1, 2)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["all", "rank0"])
 def test_ddp_spawn_two_processes(tmp_path: pathlib.Path, policy: str) -> None:
@@ -43,7 +90,7 @@ def test_ddp_spawn_two_processes(tmp_path: pathlib.Path, policy: str) -> None:
         tmp_path, max_steps=4, devices=2, strategy="ddp_spawn", callbacks=[monitor], logger=False
     )
     fit.fit(Regressor(), loader())
-    telemetry = tmp_path / "telemetry"
+    (telemetry,) = (tmp_path / "telemetry").iterdir()  # no logger: named after the run id
     if policy == "all":
         ranks = sorted(p.name for p in telemetry.glob("rank-*"))
         assert ranks == ["rank-000", "rank-001"]
@@ -54,5 +101,5 @@ def test_ddp_spawn_two_processes(tmp_path: pathlib.Path, policy: str) -> None:
         frame = pl.read_parquet(telemetry / "history.parquet")
         assert frame["rank"].unique().to_list() == [0]
     assert set(frame["layer"]) == {"net.0", "net.1", "net.2"}
-    assert frame["run_id"].n_unique() == 1  # the ranks of one launch share the run id
+    assert frame["run_id"].unique().to_list() == [telemetry.name]  # the ranks share rank 0's
     assert sorted(frame["step"].unique()) == [0, 2]

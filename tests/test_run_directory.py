@@ -187,13 +187,13 @@ def test_tensorboard_holds_histograms_at_the_sample_ids(finished_run: pathlib.Pa
     )
     events.Reload()
     tags = events.Tags()["histograms"]
-    assert "histogram/first/output" in tags
-    assert "histogram/last/output_gradient" in tags
-    histogram = events.Histograms("histogram/first/output")
+    assert "telemetry/first/output/histogram" in tags
+    assert "telemetry/last/output_gradient/histogram" in tags
+    histogram = events.Histograms("telemetry/first/output/histogram")
     assert [event.step for event in histogram] == list(range(6))
     assert histogram[0].histogram_value.num == 8 * 8
     assert [e.step for e in events.Scalars("telemetry/collection_duration_ms")] == list(range(6))
-    assert "scalar/first/output/rms" in events.Tags()["scalars"]
+    assert "telemetry/first/output/rms" in events.Tags()["scalars"]
 
 
 def test_result_json_lists_the_catalog_while_running(tmp_path: pathlib.Path) -> None:
@@ -287,7 +287,7 @@ def test_tensorboard_uses_the_trainer_step_when_there_is_one(tmp_path: pathlib.P
         str(tmp_path / "run" / "tensorboard"), size_guidance={"histograms": 0}
     )
     events.Reload()
-    assert [e.step for e in events.Histograms("histogram/first/output")] == [0, 20, 40]
+    assert [e.step for e in events.Histograms("telemetry/first/output/histogram")] == [0, 20, 40]
     history = pl.read_parquet(tmp_path / "run" / "history.parquet")
     assert sorted(history["step"].unique()) == [0, 20, 40]
 

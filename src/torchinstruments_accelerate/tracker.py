@@ -121,7 +121,8 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
         scalar_layers: ``"focus"``, ``"all"``, or glob patterns of layer names.
         selector: Which modules are observed (default: every leaf module).
         reducers: Scalar reducers (default: the eleven metrics of ``default_reducers()``).
-        histogram_selector: Which modules are the focus layers (histograms and logged scalars).
+        histogram_selector: Which modules are the focus layers (histograms and logged scalars);
+            default: modules with parameters, spread over depth, the largest always included.
         max_histogram_modules: At most this many focus layers.
         rank_policy: ``"rank0"`` observes only the main process; ``"all"`` every process, each
             writing its own ``rank-NNN/``; routing into trackers stays on the main process.

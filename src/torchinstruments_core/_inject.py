@@ -77,7 +77,9 @@ def inject_observer(
             ``sink``.
         sink: Where finished samples go instead of a run directory, e.g. ``RecordingSink()``.
         histogram_selector: Chooses the focus modules that also get histograms (default: up to
-            ``max_histogram_modules`` spread evenly over the observed modules).
+            ``max_histogram_modules`` observed modules with parameters of their own, spread
+            over depth, the largest always included; parameter-free ones, never ``Flatten``,
+            ``Identity``, dropout or pooling, only when too few have parameters).
         max_histogram_modules: At most this many focus modules (0 turns histograms off).
         histogram_bins: Bins of each histogram, spanning the tensor's finite range; at most
             ``MAX_HISTOGRAM_BINS`` (65,536).

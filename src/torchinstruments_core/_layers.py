@@ -5,14 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from torch import nn
+from torch.nn.modules import dropout, flatten, pooling
+
 from torchinstruments_core._exceptions import ConfigurationError
 from torchinstruments_core._names import named_modules_clean
 from torchinstruments_core._records import LayerInfo
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from torchinstruments_core.selectors import SelectorFn
+
+# Their outputs repeat the statistics of the module before them (reshaped, subsampled or
+# averaged), so a focus slot spent on one shows the previous layer a second time.
+_NEVER_FOCUS: tuple[type[nn.Module], ...] = (
+    nn.Identity,
+    *(getattr(source, name) for source in (dropout, flatten, pooling) for name in source.__all__),
+)
 
 
 @dataclass(slots=True)
@@ -38,8 +46,7 @@ def select_layers(
     """The modules ``selector`` picks, in model order, with up to ``max_histogram_modules`` focus.
 
     Focus modules are those ``histogram_selector`` picks (the first ``max_histogram_modules``), or
-    by default that many spread evenly over the selected modules, first and last included, so
-    that the histograms show the whole depth of the model.
+    by default those ``default_focus`` picks.
     """
     layers = [Layer(n, m, False) for n, m in named_modules_clean(model) if selector(n, m)]
     if not layers:
@@ -54,10 +61,55 @@ def select_layers(
         ]
         focus = focus[:max_histogram_modules]
     else:
-        focus = _spread(len(layers), max_histogram_modules)
+        focus = default_focus([layer.module for layer in layers], max_histogram_modules)
     for index in focus:
         layers[index].histogram = True
     return layers
+
+
+def default_focus(modules: list[nn.Module], wanted: int) -> list[int]:
+    """Indices (in model order) of up to ``wanted`` focus modules among ``modules``.
+
+    Modules with parameters of their own come first: ``wanted`` of them spread evenly over the
+    depth, the first and the last included, and always the one with the most parameters (the
+    first such, on a tie), which takes the place of the spread pick nearest to it. Parameter-free
+    modules fill the remaining places only when fewer modules have parameters, spread the same
+    way; ``Identity``, ``Flatten``, ``Unflatten``, dropout and pooling modules never do.
+
+    Example:
+        >>> from torch import nn
+        >>> head = [nn.Flatten(), nn.Linear(512, 64), nn.ReLU(), nn.Dropout(), nn.Linear(64, 10)]
+        >>> default_focus(head, 8)
+        [1, 2, 4]
+        >>> default_focus(head, 1)
+        [1]
+    """
+    sizes = [_own_parameters(module) for module in modules]
+    weighted = [i for i, size in enumerate(sizes) if size > 0]
+    if len(weighted) >= wanted:
+        picks = [weighted[i] for i in _spread(len(weighted), wanted)]
+        largest = max(weighted, key=lambda i: (sizes[i], -i)) if picks else None
+        return sorted(_with(picks, largest))
+    fillers = [i for i, module in enumerate(modules) if sizes[i] == 0 and not _never_focus(module)]
+    extra = [fillers[i] for i in _spread(len(fillers), wanted - len(weighted))]
+    return sorted(weighted + extra)
+
+
+def _own_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters(recurse=False))
+
+
+def _never_focus(module: nn.Module) -> bool:
+    return isinstance(module, _NEVER_FOCUS)
+
+
+def _with(picks: list[int], largest: int | None) -> list[int]:
+    """``picks`` with ``largest`` in place of the nearest pick, the first and last kept if able."""
+    if largest is None or largest in picks:
+        return picks
+    inner = picks[1:-1] or picks[:-1] or picks
+    nearest = min(inner, key=lambda i: abs(i - largest))
+    return [largest if i == nearest else i for i in picks]
 
 
 def _spread(count: int, wanted: int) -> list[int]:

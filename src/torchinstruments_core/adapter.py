@@ -133,16 +133,18 @@ def telemetry_sink(
     output_dir: Path | None,
     targets: Sequence[Target] | Callable[[], Iterable[Target]],
     routing: RoutingOptions,
+    tensorboard: bool = True,
 ) -> Sink:
     """The run directory (unless ``output_dir`` is ``None``) and the logger routing, as one sink.
 
-    ``targets`` may be a function returning them at each write (see ``LoggerRouter``).
+    ``targets`` may be a function returning them at each write (see ``LoggerRouter``);
+    ``tensorboard`` is the run directory's own ``tensorboard/`` copy (see ``RunDirectorySink``).
     """
     from torchinstruments_core.run_directory import RunDirectorySink
 
     sinks: list[Sink] = []
     if output_dir is not None:
-        sinks.append(RunDirectorySink(output_dir))
+        sinks.append(RunDirectorySink(output_dir, tensorboard=tensorboard))
     if targets:
         sinks.append(
             LoggerRouter(

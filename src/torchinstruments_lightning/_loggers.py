@@ -1,4 +1,4 @@
-"""Map a trainer's loggers to the core's routing targets."""
+"""Map a trainer's loggers to the core's routing targets and to the run's name."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from torchinstruments_core.routing import ScalarTarget, SummaryWriterTarget, WandbRunTarget
+from torchinstruments_lightning._folders import safe_name
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -30,3 +31,22 @@ def logger_targets(loggers: Iterable[Logger]) -> list[Target]:
         else:
             targets.append(ScalarTarget(logger.log_metrics))
     return targets
+
+
+def has_tensorboard(loggers: Iterable[Logger]) -> bool:
+    """Whether a TensorBoardLogger is among ``loggers``."""
+    return any(isinstance(logger, TensorBoardLogger) for logger in loggers)
+
+
+def run_name(loggers: Iterable[Logger]) -> str | None:
+    """The first logger's name for this run: its version (``version_3``) or the W&B run id.
+
+    Call on global rank 0 only: elsewhere a WandbLogger's experiment is a stand-in.
+    """
+    for logger in loggers:
+        # WandbLogger.version is None until its run starts, which may be after fit start.
+        version = logger.experiment.id if isinstance(logger, WandbLogger) else logger.version
+        name = safe_name(version)
+        if name is not None:
+            return name
+    return None

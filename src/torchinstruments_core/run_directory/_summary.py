@@ -14,17 +14,29 @@ _COLUMNS = ("output std", "max_abs/rms", "grad rms", "non-finite")
 def summarize_run(folder: Path, *, max_layers: int = 40) -> str:
     """Per layer (first call, whole output): mean output std, outlier ratio, gradient rms.
 
-    ``non-finite`` is the largest fraction of NaN/Inf seen in the layer's output or gradient. The
-    last line names the first sample and layer where non-finite values appeared, if any.
+    The first line says what the columns are: ``output std`` and ``grad rms`` are means over the
+    run's samples, ``max_abs/rms`` the ratio of the two means, and ``non-finite`` the largest
+    fraction of NaN/Inf seen in the layer's output or gradient. Names and types are never cut.
+    The last line names the first sample and layer where non-finite values appeared, if any.
 
     Args:
         folder: A finished run directory (one holding ``result.json`` and ``history.parquet``).
         max_layers: Rows shown at most (the first ones in execution order).
     """
     result = json.loads((folder / "result.json").read_text())
-    lines = [f"{'layer':<24}{'type':<14}" + "".join(f"{c:>13}" for c in _COLUMNS)]
-    for layer in result["layers"][:max_layers]:
-        lines.append(_row(layer))
+    shown = result["layers"][:max_layers]
+    widths = (
+        max([len("layer"), *(len(layer["name"]) for layer in shown)]) + 2,
+        max([len("type"), *(len(layer["type"]) for layer in shown)]) + 2,
+    )
+    count = result["samples"]["count"]
+    lines = [
+        f"per layer (first call, whole output): means over the run's {count} samples",
+        "(max_abs/rms: the ratio of the two means; non-finite: the largest fraction seen)",
+        f"{'layer':<{widths[0]}}{'type':<{widths[1]}}" + "".join(f"{c:>13}" for c in _COLUMNS),
+    ]
+    for layer in shown:
+        lines.append(_row(layer, widths))
     if len(result["layers"]) > max_layers:
         lines.append(
             f"… {len(result['layers']) - max_layers} more layers in {folder / 'result.json'}"
@@ -33,7 +45,7 @@ def summarize_run(folder: Path, *, max_layers: int = 40) -> str:
     return "\n".join(lines)
 
 
-def _row(layer: dict[str, Any]) -> str:
+def _row(layer: dict[str, Any], widths: tuple[int, int]) -> str:
     first = {
         m["signal"]: m["metrics"]
         for m in layer["measurements"]
@@ -53,7 +65,8 @@ def _row(layer: dict[str, Any]) -> str:
         grad.get("rms", {}).get("mean"),
         max((w for w in worst if w is not None), default=None),
     )
-    return f"{layer['name'][:23]:<24}{layer['type'][:13]:<14}" + "".join(_cell(c) for c in cells)
+    name, kind = layer["name"], layer["type"]
+    return f"{name:<{widths[0]}}{kind:<{widths[1]}}" + "".join(_cell(c) for c in cells)
 
 
 def _cell(value: float | None) -> str:

@@ -1,10 +1,13 @@
 """TensorBoard event files for the focus layers: histograms and a few scalars.
 
-Tags: ``histogram/<layer>/<signal>`` (a call other than the first adds ``/call_<k>``, a tensor
-inside a nested output its path: ``histogram/encoder.0/output/output.1``); scalars
-``scalar/<layer>/<signal>/rms`` and ``.../nonfinite_fraction`` for the same tensors, and
-``telemetry/collection_duration_ms``. The step is the trainer's step when there is one, else the
-sample id.
+Tags are those ``LoggerRouter`` gives a trainer's TensorBoard logger, with prefix ``telemetry``,
+so the same data has the same name wherever it is written:
+``telemetry/<layer>/<signal>/histogram`` (a call other than the first adds ``/call_<k>`` after
+the signal, a tensor inside a nested output its path: ``telemetry/encoder.0/output/output.1/
+histogram``); scalars ``telemetry/<layer>/<signal>/<metric>`` for ``DEFAULT_SCALAR_METRICS``
+(``rms``, ``max_abs``, ``nonfinite_fraction``) of the focus layers, ``telemetry/nonfinite_tensors``
+and ``telemetry/collection_duration_ms``. The step is the trainer's step when there is one, else
+the sample id.
 """
 
 from __future__ import annotations
@@ -12,14 +15,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchinstruments_core._exceptions import MissingDependencyError
-from torchinstruments_core.routing import SummaryWriterTarget, tensor_key
+from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS, SummaryWriterTarget, tensor_key
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from torchinstruments_core._records import HistogramRecord, SampleRecord
+    from torchinstruments_core._records import HistogramRecord, SampleRecord, StatRow
 
-_SCALARS = ("rms", "nonfinite_fraction")
+PREFIX = "telemetry"
 
 
 class TensorBoardHistograms:
@@ -33,13 +36,16 @@ class TensorBoardHistograms:
 
     def __call__(self, sample: SampleRecord) -> None:
         """Write the histograms and scalars of one sample."""
-        histograms = {"histogram/" + _key(h): h for h in sample.histograms}
-        focus = {_key(h) for h in sample.histograms}
-        scalars = {"telemetry/collection_duration_ms": sample.collection_duration_ms}
-        for row in sample.rows:
-            key = tensor_key(row.layer, row.call_index, row.signal, row.tensor_path)
-            if row.metric in _SCALARS and row.value is not None and key in focus:
-                scalars[f"scalar/{key}/{row.metric}"] = row.value
+        histograms = {f"{PREFIX}/{_key(h)}/histogram": h for h in sample.histograms}
+        focus = {h.layer for h in sample.histograms}
+        scalars = {
+            f"{PREFIX}/{_key(row)}/{row.metric}": row.value
+            for row in sample.rows
+            if row.layer in focus and row.metric in DEFAULT_SCALAR_METRICS and row.value is not None
+        }
+        nonfinite = [row for row in sample.rows if row.metric == "nonfinite_fraction" and row.value]
+        scalars[f"{PREFIX}/nonfinite_tensors"] = float(len(nonfinite))
+        scalars[f"{PREFIX}/collection_duration_ms"] = sample.collection_duration_ms
         step = sample.step if sample.step is not None else sample.sample_id
         self._open().log(scalars, histograms, step)
 
@@ -61,5 +67,5 @@ class TensorBoardHistograms:
         return self._target
 
 
-def _key(record: HistogramRecord) -> str:
-    return tensor_key(record.layer, record.call_index, record.signal, record.tensor_path)
+def _key(item: StatRow | HistogramRecord) -> str:
+    return tensor_key(item.layer, item.call_index, item.signal, item.tensor_path)
