@@ -83,8 +83,9 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
     ``rank_policy="all"`` the other processes finalize theirs when they end, under any launcher
     (a ``debug_launcher`` or ``notebook_launcher`` child too), or earlier if you call ``finish``
     there. A script that never calls it, dies of an exception or receives SIGTERM still gets a
-    finalized directory, and the chunks in ``history.parts/`` are readable at any time. Under fp16 the gradients are
-    recorded divided by ``accelerator.scaler``'s loss scale, as the optimizer sees them.
+    finalized directory, and the chunks in ``history.parts/`` are readable at any time. Under
+    fp16 the gradients are recorded divided by ``accelerator.scaler``'s loss scale, as the
+    optimizer sees them.
 
     Logged metrics:
         Into ``accelerator.trackers`` on the main process, at the step above:
