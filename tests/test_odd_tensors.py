@@ -263,3 +263,56 @@ def _observe(value: torch.Tensor) -> dict[str, float | None]:
         model(torch.zeros(1))
     _assert_strict(sink.rows)
     return {row.metric: row.value for row in sink.rows}
+
+
+class RequiresGradRaises(torch.Tensor):
+    """A subclass whose ``requires_grad`` cannot be read from Python."""
+
+    @property  # type: ignore[override]
+    def requires_grad(self) -> bool:  # type: ignore[override]
+        raise RuntimeError("requires_grad is not readable here")
+
+
+class Unwalkable(dict):  # type: ignore[type-arg]
+    """A mapping output whose items cannot be listed."""
+
+    def items(self):  # type: ignore[no-untyped-def]
+        raise RuntimeError("items() refused")
+
+
+class OddOutputs(nn.Module):
+    """Returns what ``kind`` asks for beside a plain tensor the next layer uses."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.kind == "requires_grad":
+            return x.as_subclass(RequiresGradRaises)
+        return Unwalkable(hidden=x)
+
+
+class OddNet(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.first, self.odd, self.last = nn.Linear(4, 4), OddOutputs(kind), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.odd(self.first(x))
+        hidden = out["hidden"] if isinstance(out, dict) else out.as_subclass(torch.Tensor)
+        return self.last(hidden)
+
+
+@pytest.mark.parametrize("kind", ["requires_grad", "unwalkable"])
+def test_an_output_the_observer_cannot_walk_never_breaks_training(kind: str) -> None:
+    """Reading an output's structure or autograd state raises: one warning, training goes on."""
+    torch.manual_seed(0)
+    model = OddNet(kind)
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink):
+        with pytest.warns(ObservationWarning, match="observing the output of odd failed"):
+            model(torch.randn(3, 4)).sum().backward()
+        model(torch.randn(3, 4)).sum().backward()  # warned once per cause
+    assert len(sink.samples) == 2
+    assert sink.value("last", "output_gradient", "mean", sample_id=1) == 1.0

@@ -62,6 +62,7 @@ _IDLE = _StepPlan(step=None, sample=False)
 _REDUCER_CONSEQUENCE = "the values it could not compute are recorded as unavailable"
 _SINK_CONSEQUENCE = "what the sink did not take is lost"
 _SCALE_CONSEQUENCE = "this sample records its gradients as they are, still scaled"
+_OBSERVE_CONSEQUENCE = "the values of that output this sample could not take are missing"
 
 
 def _check_scale(scale: object) -> None:
@@ -460,10 +461,22 @@ class Observer:
         sample = self._local.active
         if sample is None:
             if self._pending and in_backward():
-                self._on_recomputed_output(layer, output)
+                try:
+                    self._on_recomputed_output(layer, output)
+                except Exception as error:  # inside the user's backward: never raise from here
+                    what = f"matching the recomputed output of {layer.name} failed"
+                    self._failed(what, error, "recompute", _OBSERVE_CONSEQUENCE)
             return
         started = time.perf_counter()
-        self._observe(sample, layer, output)
+        try:
+            self._observe(sample, layer, output)
+        except Exception as error:  # an odd output must never break the user's forward
+            self._failed(
+                f"observing the output of {layer.name} failed",
+                error,
+                "observe",
+                _OBSERVE_CONSEQUENCE,
+            )
         sample.duration_s += time.perf_counter() - started
 
     def _observe(self, sample: Sample, layer: Layer, output: Any) -> None:
