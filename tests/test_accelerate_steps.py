@@ -79,7 +79,7 @@ def test_each_histogram_sits_at_the_step_the_user_logged_the_sampled_batch_under
     the loss the loop logged for it: 0-based (``first=0``), 1-based, from 1000; logging before or
     after ``optimizer.step()``; every micro-batch of the sampled steps 0, 3 and 6, the first too.
     """
-    telemetry = TelemetryTracker(every_n_steps=3)
+    telemetry = TelemetryTracker(every_n_steps=3, scalar_layers=["tag", "net.*"])
     accelerator, model, optimizer, data = start(tmp_path, telemetry, accumulation)
     logged = run_loop(accelerator, model, optimizer, data, log=log, first=first)
     accelerator.end_training()
