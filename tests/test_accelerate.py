@@ -355,3 +355,24 @@ def test_bad_arguments_raise_naming_the_argument() -> None:
         TelemetryTracker("exp", "runs", rank_policy="all")
     with pytest.raises(ConfigurationError, match="model='Tensor'"):
         TelemetryTracker().watch(torch.zeros(1))  # type: ignore[arg-type]
+
+
+def test_a_fresh_run_in_a_used_project_directory_gets_a_folder_named_after_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Two fresh runs in one project_dir: telemetry/, then telemetry-<run_id>/, never "resumed"."""
+    ids = []
+    for _ in range(2):
+        reset_accelerate_state()
+        telemetry = TelemetryTracker(every_n_steps=2)
+        accelerator, model, optimizer, data = setup(tmp_path, telemetry, log_with=[telemetry])
+        assert telemetry.tracker is not None
+        ids.append(telemetry.tracker.run_id)
+        train(accelerator, model, optimizer, data, steps=3)
+        accelerator.end_training()
+    folders = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("telemetry"))
+    assert folders == sorted(["telemetry", f"telemetry-{ids[1]}"])
+    for folder, run_id in zip(["telemetry", f"telemetry-{ids[1]}"], ids, strict=True):
+        assert pl.read_parquet(tmp_path / folder / "history.parquet")[
+            "run_id"
+        ].unique().to_list() == [run_id]

@@ -28,7 +28,7 @@ from torchinstruments_core.adapter import (
     telemetry_sink,
 )
 from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS
-from torchinstruments_core.run_directory import next_free_folder
+from torchinstruments_core.run_directory import fresh_folder
 
 if TYPE_CHECKING:
     import os
@@ -113,8 +113,9 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
             (``register_tracker_class``); not used.
         logging_dir: Set by Accelerate when registered by name: the default folder's parent.
         every_n_steps: Sample every this many optimizer steps.
-        output_dir: The run directory (default above). If it already holds a run,
-            ``<output_dir>-resumed-<k>`` is used instead; nothing is overwritten.
+        output_dir: The run directory (default above). If it already holds a run (an earlier
+            run in the same project directory), ``<output_dir>-<run_id>`` is used instead;
+            nothing is overwritten.
         log_to_trackers: Route scalars and histograms into the accelerator's other trackers.
         write_directory: Write the run directory.
         prefix: First part of every logged key.
@@ -318,8 +319,10 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
         if main:
             parent = accelerator.logging_dir if accelerator is not None else None
             base = self.output_dir or Path(parent or self.logging_dir or ".") / "telemetry"
-            folder = next_free_folder(base.absolute()) if self.write_directory else None
             run_id = new_run_id()
+            base = base.absolute()
+            fresh = fresh_folder(base.parent, base.name, run_id)
+            folder = fresh.path if self.write_directory else None
         if self.policies.rank_policy == "all":
             # Collective: every process takes part, and all of them write under main's folder.
             folder, run_id = broadcast_object_list([folder, run_id])

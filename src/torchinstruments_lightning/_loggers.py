@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from torchinstruments_core.routing import ScalarTarget, SummaryWriterTarget, WandbRunTarget
-from torchinstruments_lightning._folders import safe_name
+from torchinstruments_core.run_directory import safe_name
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

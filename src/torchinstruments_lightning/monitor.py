@@ -20,7 +20,7 @@ from torchinstruments_core.adapter import (
     telemetry_sink,
 )
 from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS
-from torchinstruments_lightning._folders import RunFolder, fresh_folder, resumed_folder
+from torchinstruments_core.run_directory import RunFolder, fresh_folder, resumed_folder
 from torchinstruments_lightning._loggers import has_tensorboard, logger_targets, run_name
 
 if TYPE_CHECKING:

@@ -1,5 +1,11 @@
 """The run directory: Parquet history, result.json, index.md and TensorBoard histograms."""
 
+from torchinstruments_core.run_directory._folders import (
+    RunFolder,
+    fresh_folder,
+    resumed_folder,
+    safe_name,
+)
 from torchinstruments_core.run_directory._index import QUERIES, QUERY_PRELUDE
 from torchinstruments_core.run_directory._layout import RunLayout, existing_run, next_free_folder
 from torchinstruments_core.run_directory._summary import summarize_run
@@ -10,10 +16,14 @@ __all__ = [
     "QUERIES",
     "QUERY_PRELUDE",
     "RunDirectorySink",
+    "RunFolder",
     "RunLayout",
     "existing_run",
+    "fresh_folder",
     "history_schema",
     "next_free_folder",
+    "resumed_folder",
+    "safe_name",
     "samples_schema",
     "summarize_run",
 ]

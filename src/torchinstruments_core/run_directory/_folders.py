@@ -1,11 +1,17 @@
-"""Which folder a fit's run directory goes to: named after its run, ``-resumed-<k>`` if resumed."""
+"""Which folder an adapter's run goes to: named after its run, ``-resumed-<k>`` only if resumed.
+
+A fresh run never takes a name that says "resumed": ``<parent>/<name>`` when free, else
+``<parent>/<name>-<run_id>``. Only a run restored from a checkpoint of an earlier one takes the
+first free ``<parent>/<name>-resumed-<k>``, beside that run's folder. An adapter chooses on rank 0
+and broadcasts the result, so every rank writes under the same folder.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torchinstruments_core.run_directory import existing_run
+from torchinstruments_core.run_directory._layout import existing_run
 
 if TYPE_CHECKING:
     from pathlib import Path
