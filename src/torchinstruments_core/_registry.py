@@ -1,21 +1,31 @@
-"""Which models have an observer, without adding anything to the models themselves."""
+"""Which models have an observer, without adding anything to the models themselves.
+
+It knows observers only as things that can be removed, so that it imports nothing of the
+observer (which imports it to forget its model at removal).
+"""
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from torchinstruments_core._exceptions import ObserverAlreadyAttachedError
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from torchinstruments_core._observer import Observer
 
-_observers: weakref.WeakKeyDictionary[nn.Module, Observer] = weakref.WeakKeyDictionary()
+class Removable(Protocol):
+    """What the registry needs of an observer."""
+
+    def remove(self) -> None:
+        """Remove every hook, deliver every sample and close the sink."""
 
 
-def claim(model: nn.Module, observer: Observer) -> None:
+_observers: weakref.WeakKeyDictionary[nn.Module, Removable] = weakref.WeakKeyDictionary()
+
+
+def claim(model: nn.Module, observer: Removable) -> None:
     """Record that ``observer`` observes ``model``; raise if another one already does."""
     existing = _observers.get(model)
     if existing is not None:
@@ -26,12 +36,12 @@ def claim(model: nn.Module, observer: Observer) -> None:
     _observers[model] = observer
 
 
-def lookup(model: nn.Module) -> Observer | None:
+def lookup(model: nn.Module) -> Removable | None:
     """The observer of ``model``, if any."""
     return _observers.get(model)
 
 
-def forget(model: nn.Module, observer: Observer) -> None:
+def forget(model: nn.Module, observer: Removable) -> None:
     """Drop the record, if it is still ``observer``'s."""
     if _observers.get(model) is observer:
         del _observers[model]

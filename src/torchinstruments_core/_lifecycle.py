@@ -1,0 +1,303 @@
+"""The sample lifecycle: when a sample opens, which samples are open, and when each closes.
+
+A sample opens at a sampled root forward (or ``open_sample``); while its forward runs it is
+*running* in its thread, with the per-module hooks armed. When the forward ends it is *pending*
+until the first backward that reaches it completes, autograd frees its graph without a backward,
+its step ends, or ``flush``/removal comes, whichever is first. Then it closes: its gradient hooks
+are removed and its values start crossing to the host (see ``_delivery``).
+
+Only ``on_root_enter`` and ``on_root_exit`` run on an unsampled forward: keep them lean.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from torch import is_grad_enabled
+
+from torchinstruments_core._capture import Attachment
+from torchinstruments_core._delivery import DeliveryQueue
+from torchinstruments_core._failures import OBSERVE_CONSEQUENCE
+from torchinstruments_core._probe import OutputProbe
+from torchinstruments_core._sample import Sample
+from torchinstruments_core._torch_private import in_backward
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from torchinstruments_core._failures import FailureReport
+    from torchinstruments_core._layers import Layer
+    from torchinstruments_core._observer_config import ObserverConfig
+    from torchinstruments_core._plan import StepPlan
+    from torchinstruments_core._rank_gate import RankGate
+    from torchinstruments_core._scale import GradientScaleReader
+    from torchinstruments_core._sink_session import SinkSession
+
+
+class _Sentinel:
+    """Lives exactly as long as some gradient hook of a sample (see ``GradientSlot.sentinel``)."""
+
+
+class _ThreadState(threading.local):
+    """What one thread's forward is doing: concurrent forwards are separate samples."""
+
+    depth = 0
+    active: Sample | None = None
+    explicit = False
+
+
+class SampleLifecycle:
+    """Owns the open samples, the per-module hooks' arming, and when each sample closes.
+
+    ``running`` and ``pending`` are guarded by one re-entrant lock: a weakref finalizer (a graph
+    freed without a backward) can close a sample while the lock is held in the same thread.
+
+    Args:
+        model: The observed root module (held only by the hooks' ``Attachment``).
+        config: The observer's configuration.
+        plan: Decides which root forwards are samples.
+        gate: Whether this rank observes.
+        scale: The gradient scale each new sample divides its gradients by.
+        sink: Opened when the first sample starts; receives the delivered samples.
+        failures: Where failures while observing are reported.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ObserverConfig,
+        *,
+        plan: StepPlan,
+        gate: RankGate,
+        scale: GradientScaleReader,
+        sink: SinkSession,
+        failures: FailureReport,
+    ) -> None:
+        self._plan, self._gate, self._scale, self._sink = plan, gate, scale, sink
+        self._failures, self._measurer = failures, config.measurer
+        self._root_layer = next((x for x in config.layers if x.module is model), None)
+        self._lock = threading.RLock()
+        self._local = _ThreadState()
+        self.removed = False
+        self._forward_index = 0
+        self.training_forwards = 0
+        self.next_sample_id = config.first_sample_id
+        self._running: dict[int, Sample] = {}  # samples whose forward runs, in any thread
+        self._pending: dict[int, Sample] = {}  # forward done, waiting for their backward
+        self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
+        self._delivery = DeliveryQueue(self._lock, sink, config.run_id, gate)
+        self._probe = OutputProbe(config.measurer, failures, self._close, self._waiting)
+        self.attachment = Attachment(
+            model,
+            config.layers,
+            on_enter=self.on_root_enter,
+            on_exit=self.on_root_exit,
+            on_output=self._on_output,
+            direct=config.capture_direct_forwards,
+        )
+
+    # -- the forward --------------------------------------------------------------------------
+
+    def on_root_enter(self) -> None:
+        """A root forward starts: open a sample if the plan and the rank gate say so."""
+        local = self._local
+        local.depth += 1
+        if local.depth > 1 or local.active is not None or self.removed or in_backward():
+            return  # nested in a sample, or activation checkpointing recomputing the root
+        index = self._forward_index
+        self._forward_index += 1
+        self.training_forwards += is_grad_enabled()
+        if self._gate.admits() and self._plan.samples(index):
+            self._start(self._plan.step)
+
+    def on_root_exit(self, output: Any) -> None:
+        """A root forward ends (``output`` is ``None`` if it raised): its sample's forward ends."""
+        local = self._local
+        local.depth = max(local.depth - 1, 0)
+        sample = local.active
+        if sample is None:
+            return
+        if self._root_layer is not None and output is not None:
+            self._on_output(self._root_layer, output)
+        if local.depth == 0 and not local.explicit:
+            if output is not None and sample.recompute.waiting and not sample.handles:
+                self._probe.keep_until_backward(sample, output)
+            self._end_forward(failed=output is None)
+
+    def open(self, step: int | None) -> bool:
+        """Start a sample now, ended by ``finish_explicit`` (see ``Observer.open_sample``)."""
+        if self._local.active is not None:
+            self.finish_explicit()
+        self._gate.resolve()
+        if self.removed or not self._gate.enabled:
+            return False
+        self._local.explicit = True
+        self._start(step)
+        return True
+
+    def finish_explicit(self) -> None:
+        """End the forward of the sample ``open`` started in this thread, if any."""
+        local = self._local
+        explicit, local.explicit = local.explicit, False
+        if explicit:
+            self._end_forward(failed=False)
+
+    def _start(self, step: int | None) -> None:
+        started = time.perf_counter()
+        self._delivery.drain(wait=False)
+        self._sink.open()
+        self._measurer.new_sample()
+        scale = self._scale.read()
+        with self._lock:
+            sample = Sample(self.next_sample_id, step, time.time(), scale)
+            self.next_sample_id += 1
+            sentinel = _Sentinel()
+            sample.sentinel = sentinel
+            self._finalizers[sample.sample_id] = weakref.finalize(
+                sentinel, self._on_graph_released, sample
+            )
+            self._running[sample.sample_id] = sample
+        self._local.active = sample
+        self.attachment.arm()
+        sample.duration_s += time.perf_counter() - started
+
+    def _on_output(self, layer: Layer, output: Any) -> None:
+        sample = self._local.active
+        if sample is None:
+            if self._pending and in_backward():
+                try:
+                    self._probe.observe_recomputed(layer, output)
+                except Exception as error:  # inside the user's backward: never raise from here
+                    what = f"matching the recomputed output of {layer.name} failed"
+                    self._failures.failed(what, error, "recompute", OBSERVE_CONSEQUENCE)
+            return
+        started = time.perf_counter()
+        try:
+            self._probe.observe(sample, layer, output)
+        except Exception as error:  # an odd output must never break the user's forward
+            what = f"observing the output of {layer.name} failed"
+            self._failures.failed(what, error, "observe", OBSERVE_CONSEQUENCE)
+        sample.duration_s += time.perf_counter() - started
+
+    def _end_forward(self, *, failed: bool) -> None:
+        local = self._local
+        sample, local.active = local.active, None
+        if sample is None:
+            return
+        keep = sample.expects_gradients and not failed
+        with self._lock:
+            self._running.pop(sample.sample_id, None)
+            if keep:
+                self._pending[sample.sample_id] = sample
+                sample.sentinel = None  # from now on only the graph keeps it alive
+        self.update_arming()
+        if not keep:
+            self._close(sample)
+
+    # -- the per-module hooks -----------------------------------------------------------------
+
+    def arm_for_step(self) -> None:
+        """Arm the per-module hooks for a sampled step, before its first forward."""
+        if self.removed:
+            self.update_arming()
+            return
+        self._gate.resolve()
+        if self._gate.enabled:
+            self.attachment.arm()
+
+    def update_arming(self) -> None:
+        """Remove the per-module hooks unless something still needs them.
+
+        A forward in any thread, a sampled step (for its next micro-batch) or a checkpoint's
+        recomputation in the backward (see ``_recompute``) does.
+        """
+        with self._lock:
+            needed = (
+                bool(self._running)
+                or self._plan.sampling
+                or any(s.recompute.waiting for s in self._pending.values())
+            )
+            if not needed:
+                self.attachment.disarm()
+
+    # -- closing, removal and fork -------------------------------------------------------------
+
+    def close_step(self, step: int) -> None:
+        """Close the samples of trainer step ``step``; deliver those whose values landed."""
+        with self._lock:
+            ended = [s for s in self._pending.values() if s.step == step]
+        for sample in ended:
+            self._close(sample)
+        self._delivery.drain(wait=False)
+
+    def flush(self) -> None:
+        """Close every pending sample and deliver every closed one, waiting for the device."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for sample in pending:
+            self._close(sample)
+        self._delivery.drain(wait=True)
+
+    def stop(self) -> bool:
+        """Mark the observer removed; ``False`` if it already was."""
+        with self._lock:
+            if self.removed:
+                return False
+            self.removed = True
+            return True
+
+    def cut_short(self) -> None:
+        """Close the forwards still running, in every thread; each keeps what it measured."""
+        self._local.explicit = False
+        self._end_forward(failed=True)
+        with self._lock:
+            running = list(self._running.values())  # forwards of other threads
+            self._running.clear()
+        for sample in running:
+            self._close(sample)
+
+    def _waiting(self) -> list[Sample]:
+        with self._lock:
+            return [s for s in self._pending.values() if s.recompute.waiting and not s.closed]
+
+    def _on_graph_released(self, sample: Sample) -> None:
+        # Autograd freed the graph: no backward will reach this sample any more. This runs inside
+        # garbage collection, where an exception cannot reach the user, so under "raise" the
+        # sample is delivered at the next safe point (a root forward, end_step, flush, removal).
+        self._close(sample, deliver=not self._failures.raises)
+
+    def _close(self, sample: Sample, *, deliver: bool = True) -> None:
+        with self._lock:
+            with sample.lock:
+                if sample.closed:
+                    return
+                sample.closed = True
+            for handle in sample.handles:
+                handle.remove()
+            sample.handles.clear()
+            finalizer = self._finalizers.pop(sample.sample_id, None)
+            if finalizer is not None:
+                finalizer.detach()
+            self._pending.pop(sample.sample_id, None)
+            self._delivery.push(sample)
+        if deliver:
+            self._delivery.drain(wait=False)
+
+    def abandon(self) -> None:
+        """Forget every open sample without delivering it (in a child made by ``fork``)."""
+        self._lock = threading.RLock()  # another thread may have held it during the fork
+        self._local = _ThreadState()
+        self._running.clear()
+        self._pending.clear()
+        self._delivery.abandon(self._lock)
+        for finalizer in self._finalizers.values():
+            finalizer.detach()
+        self._finalizers.clear()
+
+    def release(self) -> None:
+        """Drop the references to the model's modules and to samples in thread-local state."""
+        self._root_layer = None
+        self._local = _ThreadState()
