@@ -187,7 +187,7 @@ def _parts(name: str) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]
     if name == "cnn":
         return _cnn(), _features((32, 3, 32, 32), 10), False
     if name == "transformer":
-        model = EncoderClassifier(width=256, heads=8, layers=4, ff=1024, classes=10)
+        model: nn.Module = EncoderClassifier(width=256, heads=8, layers=4, ff=1024, classes=10)
         return model, _features((32, 64, 256), 10), False
     if name == "gpt":
         model = GPT(vocab=32000, width=1024, heads=16, layers=24, context=512)

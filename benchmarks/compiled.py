@@ -46,7 +46,7 @@ def _run(configuration: str, args: argparse.Namespace, folder: Path) -> dict[str
     observer = None
     if configuration == "compile-observed":
         observer = inject_observer(workload.model, output_dir=folder / configuration)
-    workload.model = torch.compile(workload.model, backend=args.backend)
+    workload.model = torch.compile(workload.model, backend=args.backend)  # type: ignore[assignment]
     if configuration.startswith("observe-compiled"):
         observer = inject_observer(workload.model, output_dir=folder / configuration)
     graphs_after_warmup = 0

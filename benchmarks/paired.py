@@ -98,7 +98,7 @@ def _memory_table(
         # twice: a first profiled step cannot see the frees of tensors allocated before it
         for repeat in range(2):
             peak, net = _memory(
-                lambda name=name, at=step + 2 * offset + repeat: _step(
+                lambda name=name, at=step + 2 * offset + repeat: _step(  # type: ignore[misc]
                     name, plain, observed, observer, at
                 ),
                 next(plain.model.parameters()).device,
@@ -186,7 +186,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from torchinstruments_core import MomentsReducer, QuantileReducer, inject_observer
+    from torchinstruments_core import MomentsReducer, QuantileReducer, Reducer, inject_observer
     from torchinstruments_core.testing import RecordingSink
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -199,7 +199,9 @@ def main() -> None:
         plain.model = torch.compile(plain.model)  # type: ignore[assignment]
         observed.model = torch.compile(observed.model)  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as folder:
-        reducers = [MomentsReducer(), QuantileReducer(exact=True)] if args.exact_quartiles else None
+        reducers: list[Reducer] | None = (
+            [MomentsReducer(), QuantileReducer(exact=True)] if args.exact_quartiles else None
+        )
         destination = (
             {"sink": RecordingSink()}
             if args.sink == "recording"
@@ -221,7 +223,7 @@ def main() -> None:
         _memory_table(
             plain, observed, observer, args.warmup + args.rounds, _largest_activation(plain)
         )
-        observer.remove()  # type: ignore[attr-defined]
+        observer.remove()
 
 
 def _report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:

@@ -52,7 +52,7 @@ def tagged_loader(batches: int = 32, batch_size: int = 4) -> DataLoader[Any]:
     return DataLoader(TensorDataset(x, x[:, 1:].sum(1, keepdim=True)), batch_size=batch_size)
 
 
-class RecordingTracker(GeneralTracker):
+class RecordingTracker(GeneralTracker):  # type: ignore[misc]
     """A tracker that takes scalars only and remembers every ``log`` call."""
 
     name = "recording"

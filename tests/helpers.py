@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from torchinstruments_core import Observer
+    from torchinstruments_core.reducers import PreparedTensor
 
 
 class CountingReducer:
@@ -23,7 +24,7 @@ class CountingReducer:
     def __init__(self) -> None:
         self.calls = 0
 
-    def reduce(self, tensor: object) -> torch.Tensor:
+    def reduce(self, tensor: PreparedTensor) -> torch.Tensor:
         self.calls += 1
         values = tensor.values
         return values.new_zeros(1)

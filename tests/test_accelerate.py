@@ -280,7 +280,7 @@ def test_fp16_gradients_are_unscaled_even_when_the_scaler_grows(tmp_path: pathli
     telemetry = TelemetryTracker(every_n_steps=2)
     model = Regressor()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    telemetry.watch(model, accelerator=accelerator)  # type: ignore[arg-type]
+    telemetry.watch(model, accelerator=accelerator)
     for x, _ in list(loader())[:5]:
         scaler.scale(model(x).sum()).backward()  # d(loss)/d(net.2 output) is exactly 1
         scaler.step(optimizer)

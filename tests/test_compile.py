@@ -74,11 +74,11 @@ def test_compiled_model_is_observed_like_the_eager_one_without_recompiling(order
     backend = CountingBackend()
     sink, eager_sink = RecordingSink(), RecordingSink()
     if order == "observe_the_compiled_model":
-        compiled = torch.compile(model, backend=backend)
+        compiled: nn.Module = torch.compile(model, backend=backend)  # type: ignore[assignment]
         observer = inject_observer(compiled, sink=sink)
     else:
         observer = inject_observer(model, sink=sink)
-        compiled = torch.compile(model, backend=backend)
+        compiled = torch.compile(model, backend=backend)  # type: ignore[assignment]
     compiles, calls = [], []
     with observer, inject_observer(eager_model, sink=eager_sink) as eager_observer:
         generator = torch.Generator().manual_seed(1)
@@ -108,7 +108,7 @@ def test_sampler_driven_forwards_of_a_compiled_model_are_observed() -> None:
 
     eager_model = _model()
     model = copy.deepcopy(eager_model)
-    compiled = torch.compile(model, backend=CountingBackend())
+    compiled: nn.Module = torch.compile(model, backend=CountingBackend())  # type: ignore[assignment]
     sink, eager_sink = RecordingSink(), RecordingSink()
     x = torch.randn(8, 16)
     with (
@@ -149,7 +149,7 @@ def test_inductor_compiled_model_matches_eager() -> None:
     from torch._inductor import config
 
     eager_model = _model()
-    compiled = torch.compile(copy.deepcopy(eager_model))
+    compiled: nn.Module = torch.compile(copy.deepcopy(eager_model))  # type: ignore[assignment]
     sink, eager_sink = RecordingSink(), RecordingSink()
     x = torch.randn(8, 16)
     with (

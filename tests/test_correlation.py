@@ -213,10 +213,10 @@ def test_inplace_op_after_module() -> None:
     ref_out.sum().backward()
     assert torch.equal(out, ref_out)
     for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(got.grad, expected.grad)
+        assert torch.equal(got.grad, expected.grad)  # type: ignore[arg-type]
     pre_activation = reference[0](x)
     assert sink.value("0", "output", "min") == pytest.approx(pre_activation.min().item())
-    assert sink.value("0", "output", "min") < 0  # recorded before the in-place ReLU
+    assert sink.value("0", "output", "min") < 0  # type: ignore[operator]  # recorded before the in-place ReLU
     grad_of_linear = (pre_activation > 0) * reference[2].weight
     assert sink.value("0", "output_gradient", "mean") == pytest.approx(
         grad_of_linear.mean().item(), abs=1e-6

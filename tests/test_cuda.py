@@ -103,7 +103,7 @@ def test_compiled_model_on_cuda_is_observed_without_recompiling() -> None:
 
     torch._dynamo.reset()
     eager_model = _model().cuda()
-    compiled = torch.compile(copy.deepcopy(eager_model))
+    compiled: nn.Module = torch.compile(copy.deepcopy(eager_model))  # type: ignore[assignment]
     sink, eager_sink = RecordingSink(), RecordingSink()
     x = torch.randn(8, 10, 32, device="cuda")
     graphs = []

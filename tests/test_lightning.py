@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import pathlib
+from typing import Any
 
 import lightning.pytorch as pl
 import polars as pl_
@@ -157,13 +158,13 @@ def test_manual_optimization(tmp_path: pathlib.Path) -> None:
             super().__init__()
             self.automatic_optimization = False
 
-        def training_step(self, batch: object, batch_idx: int) -> None:  # type: ignore[override]
+        def training_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
             optimizer = self.optimizers()
-            x, y = batch  # type: ignore[misc]
+            x, y = batch
             loss = (self.net(x) - y).square().mean()
-            optimizer.zero_grad()
+            optimizer.zero_grad()  # type: ignore[union-attr]
             self.manual_backward(loss)
-            optimizer.step()
+            optimizer.step()  # type: ignore[union-attr]
 
     trainer(tmp_path, max_steps=4, callbacks=[TelemetryMonitor(every_n_steps=2)]).fit(
         Manual(), loader()
@@ -275,8 +276,8 @@ def test_fp16_gradients_are_reported_unscaled(tmp_path: pathlib.Path) -> None:
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     class SumLoss(Regressor):
-        def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
-            x, _ = batch  # type: ignore[misc]
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, _ = batch
             return self.net(x).float().sum()  # d(loss)/d(output of net.2) is exactly 1
 
     means = {}

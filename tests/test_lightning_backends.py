@@ -6,6 +6,7 @@ import logging
 import os
 import pathlib
 from contextlib import nullcontext
+from typing import Any
 
 import polars as pl
 import pytest
@@ -56,7 +57,9 @@ def test_fresh_wandb_runs_sharing_a_directory_get_folders_named_after_them(
         saver = ModelCheckpoint(
             dirpath=tmp_path / f"ckpt{number}", save_top_k=-1, every_n_train_steps=2
         )
-        resume = {"ckpt_path": tmp_path / "ckpt0" / "epoch=0-step=2.ckpt"} if number == 2 else {}
+        resume: dict[str, Any] = (
+            {"ckpt_path": tmp_path / "ckpt0" / "epoch=0-step=2.ckpt"} if number == 2 else {}
+        )
         # The resumed fit checkpoints elsewhere, which Lightning points out.
         said = pytest.warns(UserWarning, match="dirpath has changed") if resume else nullcontext()
         fit = trainer(

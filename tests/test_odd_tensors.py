@@ -34,13 +34,13 @@ class Refusing(torch.Tensor):
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor) -> Refusing:
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)  # type: ignore[attr-defined,no-any-return]
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
 
     def __init__(self, inner: torch.Tensor) -> None:
-        self.inner = inner
+        self.inner = inner  # type: ignore[method-assign,assignment]  # shadows Tensor.inner
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         raise RuntimeError(f"{cls.__name__} refuses {func}")
 
 
@@ -268,7 +268,7 @@ def _observe(value: torch.Tensor) -> dict[str, float | None]:
 class RequiresGradRaises(torch.Tensor):
     """A subclass whose ``requires_grad`` cannot be read from Python."""
 
-    @property  # type: ignore[override]
+    @property
     def requires_grad(self) -> bool:  # type: ignore[override]
         raise RuntimeError("requires_grad is not readable here")
 
@@ -276,7 +276,7 @@ class RequiresGradRaises(torch.Tensor):
 class Unwalkable(dict):  # type: ignore[type-arg]
     """A mapping output whose items cannot be listed."""
 
-    def items(self):  # type: ignore[no-untyped-def]
+    def items(self):
         raise RuntimeError("items() refused")
 
 

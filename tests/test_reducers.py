@@ -431,7 +431,8 @@ def test_the_blocked_host_pass_sees_every_block() -> None:
     assert summary is not None
     assert summary.total == pytest.approx(array.sum(), rel=1e-12, abs=1e-9)
     assert summary.squares == pytest.approx(np.square(array).sum(), rel=1e-12)
-    assert (summary.lo, summary.hi, summary.zeros) == (-40.0, 50.0, np.count_nonzero(array == 0))
+    zeros = int(np.count_nonzero(array == 0))
+    assert (summary.lo, summary.hi, summary.zeros) == (-40.0, 50.0, zeros)
 
     values[-2] = math.nan
     prepared = _prepare(values)
@@ -619,8 +620,8 @@ def test_the_scale_is_an_exact_power_of_two_bringing_max_abs_to_one() -> None:
             math.nan: exponents[0],
         }
         for value, expected in special.items():
-            scale = power_of_two_scale(torch.tensor(value, dtype=dtype)).item()
-            assert scale == 2.0**expected, value
+            special_scale = power_of_two_scale(torch.tensor(value, dtype=dtype)).item()
+            assert special_scale == 2.0**expected, value
 
 
 EDGE_MAGNITUDES = [1e20, 3e38, 1e-30, 1e-40]

@@ -6,6 +6,7 @@ import json
 import pathlib
 import re
 import time
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -48,7 +49,7 @@ def _train_slowly(model: nn.Module, *, steps: int) -> None:
         time.sleep(0.02)
 
 
-def _strict_json(path: pathlib.Path) -> dict:
+def _strict_json(path: pathlib.Path) -> dict[str, Any]:
     def refuse(constant: str) -> None:
         raise AssertionError(f"non-strict JSON constant {constant}")
 
@@ -68,7 +69,7 @@ def test_history_has_the_fixed_schema(finished_run: pathlib.Path) -> None:
     """history.parquet has exactly the design's columns and dtypes, value null iff a reason."""
     history = pl.read_parquet(finished_run / "history.parquet")
     assert history.schema == pl.Schema(
-        {
+        {  # type: ignore[arg-type]  # a class and an instance: no common type inferred
             "run_id": pl.String,
             "rank": pl.Int32,
             "sample_id": pl.Int64,
@@ -306,7 +307,7 @@ def test_the_training_thread_waits_only_when_the_queue_is_full(tmp_path: pathlib
         chunk_rows=1,
         flush_seconds=30.0,
         queue_size=2,
-        on_sample=[lambda _sample: release.wait(timeout=30)],
+        on_sample=[lambda _sample: release.wait(timeout=30)],  # type: ignore[list-item]
     )
     writer.start()
     sample = SampleRecord("r", 0, 0, None, 0.0, True, 1.0, (), ())

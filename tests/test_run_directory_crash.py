@@ -87,7 +87,7 @@ def test_rank_policies_write_one_folder_per_rank_or_only_rank0(tmp_path: pathlib
     for policy in ("all", "rank0"):
         folder = tmp_path / policy
         folder.mkdir()
-        mp.spawn(_rank_worker, args=(str(folder), policy), nprocs=2, join=True)
+        mp.spawn(_rank_worker, args=(str(folder), policy), nprocs=2, join=True)  # type: ignore[attr-defined]
     per_rank = {
         p.parent.name: pl.read_parquet(p)
         for p in (tmp_path / "all" / "stats").glob("rank-*/history.parquet")

@@ -86,7 +86,7 @@ def test_wrapper_attributes_are_removed_from_names() -> None:
 
     net = Net()
     net.encoder = checkpoint_wrapper(net.encoder)  # type: ignore[assignment]
-    compiled = torch.compile(net)
+    compiled: nn.Module = torch.compile(net)  # type: ignore[assignment]
     names = [n for n, _ in named_modules_clean(compiled)]
     assert names == ["<root>", "encoder", "encoder.0", "encoder.1", "module", "head"]
     assert "_orig_mod.encoder._checkpoint_wrapped_module.0" in dict(compiled.named_modules())

@@ -50,7 +50,7 @@ def history_rows(run_dir: pathlib.Path) -> list[dict[str, Any]]:
     (path,) = run_dir.rglob("*.wandb")
     rows = []
     for payload in _payloads(path.read_bytes()):
-        record = wandb_internal_pb2.Record()
+        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
         record.ParseFromString(payload)
         if record.WhichOneof("record_type") == "history":
             rows.append(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING, Any
 
-from accelerate import Accelerator  # type: ignore[import-untyped]
-from accelerate.tracking import TensorBoardTracker, WandBTracker  # type: ignore[import-untyped]
+from accelerate import Accelerator
+from accelerate.tracking import TensorBoardTracker, WandBTracker
 
 from torchinstruments_core.routing import ScalarTarget, SummaryWriterTarget, WandbRunTarget
 

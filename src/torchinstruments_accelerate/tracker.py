@@ -7,9 +7,9 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from accelerate.state import PartialState  # type: ignore[import-untyped]
-from accelerate.tracking import GeneralTracker  # type: ignore[import-untyped]
-from accelerate.utils import broadcast_object_list  # type: ignore[import-untyped]
+from accelerate.state import PartialState
+from accelerate.tracking import GeneralTracker
+from accelerate.utils import broadcast_object_list
 from torch import nn
 from typing_extensions import override
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import os
     from collections.abc import Callable, Sequence
 
-    from accelerate import Accelerator  # type: ignore[import-untyped]
+    from accelerate import Accelerator
 
     from torchinstruments_core import Observer, Reducer, Sink
     from torchinstruments_core.routing import Target

@@ -10,6 +10,7 @@ from torchinstruments_core._exceptions import (
     ObservationError,
     ObservationWarning,
     ObserverAlreadyAttachedError,
+    RunDirectoryExistsError,
     TorchInstrumentsError,
 )
 from torchinstruments_core._inject import inject_observer, remove_observer
@@ -23,6 +24,7 @@ from torchinstruments_core._records import (
     StatRow,
     UnavailableReason,
 )
+from torchinstruments_core._version import __version__ as __version__
 from torchinstruments_core.reducers import (
     HistogramReducer,
     MomentsReducer,
@@ -38,8 +40,6 @@ from torchinstruments_core.samplers import (
 )
 from torchinstruments_core.selectors import Selector, all_of, any_of, by_name, by_type, leaf_modules
 from torchinstruments_core.sinks import Sink
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AlwaysSampler",
@@ -57,6 +57,7 @@ __all__ = [
     "ObserverAlreadyAttachedError",
     "QuantileReducer",
     "Reducer",
+    "RunDirectoryExistsError",
     "RunInfo",
     "SampleRecord",
     "Sampler",

@@ -38,6 +38,18 @@ if TYPE_CHECKING:
     from torchinstruments_core.selectors import SelectorFn
     from torchinstruments_core.sinks import Sink
 
+__all__ = [
+    "AdapterPolicies",
+    "HoldingSink",
+    "ObserveOptions",
+    "RoutingOptions",
+    "StepNumbering",
+    "StepSchedule",
+    "loss_scale_reader",
+    "new_run_id",
+    "telemetry_sink",
+]
+
 
 @dataclass(frozen=True, slots=True)
 class RoutingOptions:

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
     from torchinstruments_core._records import RunInfo, SampleRecord, StatRow
 
+__all__ = ["RecordingSink", "TensorMemory", "tensor_memory"]
+
 
 class RecordingSink:
     """Keeps the run's description and every sample, in delivery order."""
