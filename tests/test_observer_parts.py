@@ -66,7 +66,10 @@ def test_rank_gate_closed_before_reading_never_reads_the_rank() -> None:
 def test_failures_warn_once_per_cause_and_raise_under_raise() -> None:
     """Two failures of one cause warn once, another cause warns again; "raise" raises."""
     report = FailureReport(ErrorPolicy.WARN)
-    failures = [("a", ValueError("x"), "cause-1"), ("b", ValueError("y"), "cause-1")]
+    failures: list[tuple[str, Exception, str]] = [
+        ("a", ValueError("x"), "cause-1"),
+        ("b", ValueError("y"), "cause-1"),
+    ]
     failures.append(("c", KeyError("z"), "cause-2"))
 
     def fail_all() -> None:
