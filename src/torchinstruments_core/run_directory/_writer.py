@@ -149,10 +149,22 @@ class ChunkWriter:
 
     def _enqueue(self, item: object) -> bool:
         """Put ``item`` on the queue unless the writer is dead; whether it was queued."""
-        while self._thread.is_alive() and not self._report.died:
+        if self._report.died:
+            return False
+        try:
+            self._queue.put_nowait(item)  # the usual case: room in the queue, no waiting
+        except queue.Full:
+            return self._enqueue_when_room(item)
+        return True
+
+    def _enqueue_when_room(self, item: object) -> bool:
+        """Wait for room, checking every ``_POLL_SECONDS`` that the writer still lives."""
+        while not self._report.died:
             try:
                 self._queue.put(item, timeout=_POLL_SECONDS)
             except queue.Full:
+                if not self._thread.is_alive():
+                    return False
                 continue
             return True
         return False

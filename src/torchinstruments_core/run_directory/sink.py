@@ -190,12 +190,14 @@ class RunDirectorySink:
         try:
             compact_tables(layout)
             commit(layout, run, self._aggregates, status=status, lost=losses.as_json())
-        except Exception as error:
+        except _FATAL:
+            raise
+        except BaseException as error:  # a Polars panic too: the chunks are still intact
             self._unfinalized(layout, run, report, error)
         remove_parts(layout)
 
     def _unfinalized(
-        self, layout: RunLayout, run: RunInfo, report: WriterReport, error: Exception
+        self, layout: RunLayout, run: RunInfo, report: WriterReport, error: BaseException
     ) -> None:
         losses = report.losses
         losses.note(f"finalizing failed ({cause(error)})")
