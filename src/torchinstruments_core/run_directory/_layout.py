@@ -53,7 +53,7 @@ class RunLayout:
 
     @property
     def samples(self) -> Path:
-        """One row per sample: step, timestamp, forward_only, collection_duration_ms."""
+        """One row per sample: step, timestamp, forward_only, collection_duration_ms, rows."""
         return self.root / "samples.parquet"
 
     @property

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in parser.parse_args(argv).paths:
         try:
             states = repair(path)
-        except OSError as error:
+        except Exception as error:  # one bad folder must not stop the others
             print(f"{escape_text(path)}: not repaired: {error}", file=sys.stderr)
             failed = True
             continue
