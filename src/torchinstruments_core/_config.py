@@ -59,3 +59,18 @@ def _int_range(minimum: int, maximum: int | None) -> str:
     if maximum is None:
         return f"an int >= {minimum}"
     return f"an int from {minimum:,} to {maximum:,}"
+
+
+def check_instance(argument: str, value: Any) -> None:
+    """Raise when ``value`` is a class where an instance is expected (``sampler=EveryN…``)."""
+    if isinstance(value, type):
+        raise ConfigurationError.invalid(
+            argument, value, f"an instance, such as {value.__name__}(...), not the class"
+        )
+
+
+def check_run_id(value: Any) -> str | None:
+    """Return ``value`` if it is ``None`` or a non-empty str, else raise (it names every row)."""
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise ConfigurationError.invalid("run_id", value, "a non-empty str, or None to generate one")

@@ -12,7 +12,9 @@ from torchinstruments_core._config import (
     ErrorPolicy,
     RankPolicy,
     check_exclusive,
+    check_instance,
     check_positive_int,
+    check_run_id,
     parse_choice,
 )
 from torchinstruments_core._exceptions import ConfigurationError
@@ -74,7 +76,9 @@ def inject_observer(
         reducers: Scalar reducers (default ``default_reducers()``: mean, std, min, max, p25, p50,
             p75, zero_fraction, nonfinite_fraction, rms, max_abs).
         output_dir: Folder of the run directory (default ``"telemetry"``). Not together with
-            ``sink``.
+            ``sink``. Checked now: made absolute (a later ``os.chdir`` does not move it), created
+            and probed for writing; it must hold no run, no file a run writes, no link in their
+            place, and no other observer of this process may write it.
         sink: Where finished samples go instead of a run directory, e.g. ``RecordingSink()``.
         histogram_selector: Chooses the focus modules that also get histograms (default: up to
             ``max_histogram_modules`` observed modules with parameters of their own, spread
@@ -89,8 +93,9 @@ def inject_observer(
         capture_direct_forwards: Also observe ``module.forward(x)`` calls that bypass
             ``module(x)``, by patching ``forward`` on the instances (removal restores it). Costs a
             Python call per observed module on every forward.
-        run_id: Identifier written with every row; pass the same one on every rank to group a
-            distributed run (default: generated from the time and a random suffix, per process).
+        run_id: Identifier written with every row, a non-empty str; pass the same one on every
+            rank to group a distributed run (default: generated from the time and a random
+            suffix, per process).
         first_sample_id: The first sample's id; a resumed run passes the number of samples it
             had taken, so that ids continue.
 
@@ -102,7 +107,10 @@ def inject_observer(
 
     Raises:
         ObserverAlreadyAttachedError: ``model`` already has an observer.
-        ConfigurationError: An argument is invalid (a ``ValueError``).
+        ConfigurationError: An argument is invalid (a ``ValueError``), such as a class given
+            where an instance is expected, or an ``output_dir`` that cannot be created or written.
+        RunDirectoryExistsError: ``output_dir`` holds a run or a file a run writes, or another
+            observer of this process writes it.
 
     Example:
         >>> import torch
@@ -124,19 +132,34 @@ def inject_observer(
     bins = check_positive_int(
         "histogram_bins", histogram_bins, minimum=1, maximum=MAX_HISTOGRAM_BINS
     )
+    layers = select_layers(model, _selector(selector), histogram_selector, histograms)
+    checked_sampler = _build_sampler(interval, sampler)
+    measurer = Measurer(_check_reducers(reducers), HistogramReducer(bins=bins))
+    policies = (
+        parse_choice(RankPolicy, "rank_policy", rank_policy),
+        parse_choice(ErrorPolicy, "error_policy", error_policy),
+    )
+    first_id = check_positive_int("first_sample_id", first_sample_id, minimum=0)
+    checked_run_id = check_run_id(run_id) or new_run_id()
+    built_sink = _build_sink(output_dir, sink)  # last: it creates and claims the folder
     config = ObserverConfig(
-        layers=select_layers(model, _selector(selector), histogram_selector, histograms),
-        sampler=_build_sampler(interval, sampler),
-        measurer=Measurer(_check_reducers(reducers), HistogramReducer(bins=bins)),
-        sink=_build_sink(output_dir, sink),
-        rank_policy=parse_choice(RankPolicy, "rank_policy", rank_policy),
-        error_policy=parse_choice(ErrorPolicy, "error_policy", error_policy),
+        layers=layers,
+        sampler=checked_sampler,
+        measurer=measurer,
+        sink=built_sink,
+        rank_policy=policies[0],
+        error_policy=policies[1],
         capture_direct_forwards=bool(capture_direct_forwards),
-        run_id=run_id or new_run_id(),
-        first_sample_id=check_positive_int("first_sample_id", first_sample_id, minimum=0),
+        run_id=checked_run_id,
+        first_sample_id=first_id,
     )
     observer = Observer(model, config)
-    claim(model, observer)
+    try:
+        claim(model, observer)
+    except BaseException:
+        if sink is None:
+            built_sink.close()  # never opened: it only gives its folder back
+        raise
     try:
         observer._attach()
     except BaseException:
@@ -156,6 +179,7 @@ def _build_sampler(interval: float | None, sampler: Sampler | None) -> Sampler:
     check_exclusive(interval=interval, sampler=sampler)
     if sampler is None:
         return IntervalSampler(DEFAULT_INTERVAL_SECONDS if interval is None else interval)
+    check_instance("sampler", sampler)
     if not callable(getattr(sampler, "should_sample", None)):
         raise ConfigurationError.invalid("sampler", sampler, "an object with should_sample(index)")
     return sampler
@@ -164,6 +188,7 @@ def _build_sampler(interval: float | None, sampler: Sampler | None) -> Sampler:
 def _build_sink(output_dir: str | os.PathLike[str] | None, sink: Sink | None) -> Sink:
     check_exclusive(output_dir=output_dir, sink=sink)
     if sink is not None:
+        check_instance("sink", sink)
         for method in ("open", "write", "close"):
             if not callable(getattr(sink, method, None)):
                 raise ConfigurationError.invalid("sink", sink, "an object with open, write, close")
@@ -178,6 +203,7 @@ def _check_reducers(reducers: Sequence[Reducer] | None) -> tuple[Reducer, ...]:
         return default_reducers()
     checked = tuple(reducers)
     for reducer in checked:
+        check_instance("reducers", reducer)
         if not isinstance(getattr(reducer, "metrics", None), tuple) or not callable(
             getattr(reducer, "reduce", None)
         ):

@@ -13,6 +13,11 @@ at the end without reading the history back. Per layer, call, signal, tensor and
   order (at least 1 value, at most ``WINDOW`` values each).
 
 Memory per metric is at most ``RESERVOIR + 2 * WINDOW`` floats however long the run.
+
+Per sample, ``collection_duration_ms`` is summarized the same way: its mean, median (exact up to
+``RESERVOIR`` samples, from the reservoir beyond), max and total. The median is the figure to
+quote: the first sample pays one-time costs (allocations, kernel warm-up) that can be a hundred
+times a later sample's and dominate the mean of a short run.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from torchinstruments_core._records import SampleRecord, StatRow
+    from torchinstruments_core._records import SampleRecord
 
 RESERVOIR = 2048
 WINDOW = 256
@@ -131,33 +136,40 @@ class RunAggregates:
         self.samples = 0
         self.forward_only = 0
         self.duration_ms = 0.0
-        self.max_duration_ms = 0.0
+        self.durations = MetricAggregate()
         self._rng = random.Random(seed)
 
     def add(self, sample: SampleRecord) -> None:
         """Fold in every row of ``sample``."""
-        self.samples += 1
-        self.forward_only += int(sample.forward_only)
-        self.duration_ms += sample.collection_duration_ms
-        self.max_duration_ms = max(self.max_duration_ms, sample.collection_duration_ms)
+        self.add_sample(forward_only=sample.forward_only, duration_ms=sample.collection_duration_ms)
         for row in sample.rows:
-            self._metric(row).add(row.value, row.unavailable_reason, self._rng)
+            key = (row.layer, row.call_index, row.signal.value, row.tensor_path, row.metric)
+            self.add_value(key, row.value, row.unavailable_reason)
 
-    def _metric(self, row: StatRow) -> MetricAggregate:
-        key = (row.layer, row.call_index, row.signal.value, row.tensor_path, row.metric)
+    def add_sample(self, *, forward_only: bool, duration_ms: float) -> None:
+        """Count one sample (``add`` does; ``repair`` calls it with rows read back from disk)."""
+        self.samples += 1
+        self.forward_only += int(forward_only)
+        self.duration_ms += duration_ms
+        self.durations.add(duration_ms, None, self._rng)
+
+    def add_value(self, key: Key, value: float | None, reason: str | None) -> None:
+        """Fold in one row: ``key`` is (layer, call_index, signal, tensor_path, metric)."""
         aggregate = self.metrics.get(key)
         if aggregate is None:
             aggregate = self.metrics[key] = MetricAggregate()
-        return aggregate
+        aggregate.add(value, reason, self._rng)
 
     def sample_summary(self) -> dict[str, Any]:
         """Totals over the samples: count, forward-only count, collection time."""
+        durations = self.durations.summary()
         return {
             "count": self.samples,
             "forward_only": self.forward_only,
             "collection_duration_ms": {
-                "mean": self.duration_ms / self.samples if self.samples else None,
-                "max": self.max_duration_ms if self.samples else None,
+                "mean": durations["mean"],
+                "median": durations["p50"],
+                "max": durations["max"],
                 "total": self.duration_ms,
             },
         }

@@ -8,22 +8,26 @@ from __future__ import annotations
 
 import platform
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torchinstruments_core._records import UnavailableReason
-from torchinstruments_core.run_directory._layout import atomic_write_text
-from torchinstruments_core.run_directory._tables import history_schema
+from torchinstruments_core.run_directory._atomic import atomic_write_text
+from torchinstruments_core.run_directory._escape import escape_text, markdown_cell, markdown_code
+from torchinstruments_core.run_directory._tables import history_schema, samples_schema
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from torchinstruments_core._records import RunInfo
+    from torchinstruments_core.run_directory._aggregate import RunAggregates
 
 _MEANINGS = {
     "run_id": "which run",
     "rank": "which process (global rank)",
     "sample_id": "0, 1, 2 … within the run and rank",
     "step": "the trainer step of the sample (null without a trainer)",
+    "optimizer_step": "the adapter's own count of optimizer steps, where `step` follows the "
+    "user's logged numbering instead (Accelerate); null otherwise",
     "timestamp": "when the sample's root forward began (UTC)",
     "layer": "the module's name in the model, wrapper prefixes removed; `<root>` is the model",
     "call_index": "which call of the module within the sample (0 for the first)",
@@ -33,6 +37,27 @@ _MEANINGS = {
     "value": "the statistic's value; null exactly when `unavailable_reason` is set",
     "unavailable_reason": "why there is no value: " + ", ".join(UnavailableReason),
 }
+
+_SAMPLE_MEANINGS = {
+    "run_id": "which run",
+    "rank": "which process (global rank)",
+    "sample_id": "the sample, as in history.parquet",
+    "step": "the trainer step of the sample (null without a trainer)",
+    "optimizer_step": "the adapter's own count of optimizer steps, where `step` follows the "
+    "user's logged numbering instead (Accelerate); null otherwise",
+    "timestamp": "when the sample's root forward began (UTC)",
+    "forward_only": "true when no backward reached the sample (no `output_gradient` rows)",
+    "collection_duration_ms": "host time spent observing the sample; the first sample also pays "
+    "one-time warm-up, so quote the median (result.json `samples.collection_duration_ms`)",
+    "rows": "how many rows of history.parquet the sample has",
+}
+
+_STATUSES = """\
+`running`: being written (read the chunks in `history.parts/`), or the process died before
+finalizing; `complete`: finalized, every sample is in `history.parquet`; `complete_with_losses`:
+finalized, `lost` in result.json counts the samples and rows that were not written and why;
+`needs_repair`: finalizing failed (e.g. a full disk), the chunks are intact; `recovered`:
+completed by `python -m torchinstruments_core.run_directory.repair` after a crash or a kill."""
 
 _METRICS = """\
 Statistics describe the finite entries of a tensor; the two fractions describe the whole tensor.
@@ -110,15 +135,29 @@ print(missing)""",
 QUERY_PRELUDE = 'import polars as pl\n\nhistory = pl.scan_parquet("history.parquet")'
 
 
-def write_index(path: Path, run: RunInfo, *, status: str) -> None:
-    """Write ``index.md`` for ``run``."""
-    atomic_write_text(path, render_index(run, status=status))
+def write_index(
+    path: Path,
+    run: RunInfo,
+    *,
+    status: str,
+    aggregates: RunAggregates | None = None,
+    lost: dict[str, Any] | None = None,
+) -> None:
+    """Write ``index.md`` for ``run`` (with the sample totals and losses once it is finished)."""
+    atomic_write_text(path, render_index(run, status=status, aggregates=aggregates, lost=lost))
 
 
-def render_index(run: RunInfo, *, status: str) -> str:
-    """The text of ``index.md``."""
-    parts = [_header(run, status), _files(), _schema(), "## Metrics\n\n" + _METRICS]
-    parts += [_catalog(run), _queries()]
+def render_index(
+    run: RunInfo,
+    *,
+    status: str,
+    aggregates: RunAggregates | None = None,
+    lost: dict[str, Any] | None = None,
+) -> str:
+    """The text of ``index.md``. Every name from the model or the user is escaped."""
+    header = _header(run, status) + _totals(aggregates) + _lost(lost)
+    parts = [header, "## Status\n\n" + _STATUSES, _files(), _schema(), _samples_schema()]
+    parts += ["## Metrics\n\n" + _METRICS, _catalog(run), _queries()]
     return "\n\n".join(parts) + "\n"
 
 
@@ -129,17 +168,41 @@ def _header(run: RunInfo, status: str) -> str:
 
     return "\n".join(
         [
-            f"# Telemetry run `{run.run_id}`",
+            f"# Telemetry run {markdown_code(run.run_id)}",
             "",
-            f"- status: {status}",
-            f"- model: `{run.model_class}`, {len(run.layers)} observed modules",
-            f"- rank {run.rank} of {run.world_size} (rank_policy `{run.rank_policy}`)",
-            f"- sampling: {run.sampling_policy}",
+            f"- status: {escape_text(status)}",
+            f"- model: {markdown_code(run.model_class)}, {len(run.layers)} observed modules",
+            f"- rank {run.rank} of {run.world_size} (rank_policy {markdown_code(run.rank_policy)})",
+            f"- sampling: {escape_text(run.sampling_policy)}",
             f"- written: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
             f"- versions: torchinstruments-suite {__version__}, torch {torch.__version__}, "
             f"Python {platform.python_version()}",
         ]
     )
+
+
+def _totals(aggregates: RunAggregates | None) -> str:
+    if aggregates is None or not aggregates.samples:
+        return ""
+    duration = aggregates.sample_summary()["collection_duration_ms"]
+    return (
+        f"\n- samples: {aggregates.samples} ({aggregates.forward_only} forward-only); "
+        f"collection time per sample: median {duration['median']:.3g} ms, "
+        f"mean {duration['mean']:.3g} ms, max {duration['max']:.3g} ms (the first sample "
+        "includes one-time warm-up, which the mean carries and the median does not)"
+    )
+
+
+def _lost(lost: dict[str, Any] | None) -> str:
+    if not lost or not (lost.get("samples") or lost.get("rows") or lost.get("reasons")):
+        return ""
+    counts = (
+        f"{lost['samples']} samples ({lost['rows']} rows)"
+        if lost.get("samples") is not None
+        else "an unknown number of samples"
+    )
+    reasons = "; ".join(escape_text(str(reason)) for reason in lost.get("reasons", []))
+    return f"\n- lost: {counts}: {reasons}"
 
 
 def _files() -> str:
@@ -148,16 +211,23 @@ def _files() -> str:
 | file | what it holds |
 |---|---|
 | `history.parquet` | the long table: one row per scalar (schema below) |
-| `samples.parquet` | a row per sample: step, optimizer_step, forward_only, collection_duration_ms |
+| `samples.parquet` | one row per sample (schema below) |
 | `history.parts/` | the same data in immutable chunks while the run is going (removed at the end) |
 | `result.json` | aggregates per layer, call, signal, tensor and metric over the whole run |
-| `tensorboard/` | histograms of the focus modules: `tensorboard --logdir tensorboard` |"""
+| `tensorboard/` | focus histograms (left out when a trainer's TensorBoard logger takes them) |"""
 
 
 def _schema() -> str:
     lines = ["## Schema of history.parquet", "", "| column | dtype | meaning |", "|---|---|---|"]
     for name, dtype in history_schema().items():
         lines.append(f"| `{name}` | {dtype} | {_MEANINGS[name]} |")
+    return "\n".join(lines)
+
+
+def _samples_schema() -> str:
+    lines = ["## Schema of samples.parquet", "", "| column | dtype | meaning |", "|---|---|---|"]
+    for name, dtype in samples_schema().items():
+        lines.append(f"| `{name}` | {dtype} | {_SAMPLE_MEANINGS.get(name, '')} |")
     return "\n".join(lines)
 
 
@@ -170,7 +240,8 @@ def _catalog(run: RunInfo) -> str:
     ]
     for layer in run.layers:
         mark = "yes" if layer.histogram else ""
-        lines.append(f"| `{layer.name}` | {layer.type_name} | {layer.parameter_count:,} | {mark} |")
+        name, kind = markdown_cell(layer.name), markdown_cell(layer.type_name, code=False)
+        lines.append(f"| {name} | {kind} | {layer.parameter_count:,} | {mark} |")
     return "\n".join(lines)
 
 

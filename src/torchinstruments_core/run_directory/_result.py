@@ -3,6 +3,12 @@
 Every selected layer is listed, in execution order (layers that never ran follow in model order),
 each with its measurements; the statistics of each metric are those of ``_aggregate``. Strict
 JSON: a number that is not finite is written as null.
+
+``status`` is one of ``RunStatus`` (see ``_state``). ``lost`` counts the samples and rows that
+never reached the history, with the distinct reasons (``{"samples": 0, "rows": 0, "reasons":
+[]}`` when nothing was lost); after a crash the samples that were still in memory are unknown,
+so a recovered run says ``null`` for the counts. The aggregates describe exactly the rows of
+``history.parquet``.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from torchinstruments_core.run_directory._aggregate import Key, MetricAggregate, RunAggregates
-from torchinstruments_core.run_directory._layout import atomic_write_text
+from torchinstruments_core.run_directory._atomic import atomic_write_text
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -21,14 +27,21 @@ if TYPE_CHECKING:
 
 
 def write_result(
-    path: Path, run: RunInfo, aggregates: RunAggregates | None, *, status: str
+    path: Path,
+    run: RunInfo,
+    aggregates: RunAggregates | None,
+    *,
+    status: str,
+    lost: dict[str, Any] | None = None,
 ) -> None:
     """Write ``result.json``; without ``aggregates`` the layers have no measurements yet."""
     document = {
         "run_id": run.run_id,
         "rank": run.rank,
         "world_size": run.world_size,
+        "rank_policy": run.rank_policy,
         "status": status,
+        "lost": lost or {"samples": 0, "rows": 0, "reasons": []},
         "model_class": run.model_class,
         "sampling_policy": run.sampling_policy,
         "metrics": list(run.metrics),

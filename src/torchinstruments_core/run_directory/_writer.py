@@ -4,39 +4,81 @@ The training thread only puts a finished sample on the queue; it waits on disk o
 queue is full. The writer thread turns samples into rows, writes a chunk when ``chunk_rows`` rows
 are buffered or ``flush_seconds`` have passed, each chunk written to a temporary file and renamed,
 so a reader (or a run killed mid-write) only ever sees complete chunks.
+
+Failures, and what they cost (every sample is either written or counted in ``Losses``):
+
+- A chunk that cannot be written (a full disk) is kept and retried with the next chunk, once per
+  ``flush_seconds``; while writes keep failing the buffer holds at most ``chunk_rows`` rows (or
+  one sample), the oldest samples dropped first, so memory stays bounded. When space returns the
+  kept samples are written and the run goes on.
+- A writer thread that dies (any ``BaseException``, such as a Polars panic) is detected: the
+  training thread never waits on it again, and every sample it buffered, had queued, or is given
+  from then on is counted as lost.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from torchinstruments_core.run_directory._layout import RunLayout, temporary_sibling
+from torchinstruments_core.run_directory._atomic import atomic_write_parquet
 from torchinstruments_core.run_directory._tables import history_frame, samples_frame
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
-    from pathlib import Path
-
-    import polars as pl
+    from collections.abc import Callable, Iterable, Sequence
 
     from torchinstruments_core._records import SampleRecord
+    from torchinstruments_core.run_directory._layout import RunLayout
 
 _STOP = object()
+_POLL_SECONDS = 0.5  # how often a training thread blocked on a full queue checks the writer
+
+
+@dataclass(slots=True)
+class Losses:
+    """Samples and rows that never reached ``history.parts``, and the distinct reasons."""
+
+    samples: int = 0
+    rows: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+    def add(self, samples: Iterable[SampleRecord], reason: str) -> None:
+        """Count ``samples`` as lost for ``reason``."""
+        for sample in samples:
+            self.samples += 1
+            self.rows += len(sample.rows)
+        self.note(reason)
+
+    def note(self, reason: str) -> None:
+        """Record a reason once (a failure that lost no sample, such as a TensorBoard write)."""
+        if reason not in self.reasons:
+            self.reasons.append(reason)
+
+    def __bool__(self) -> bool:
+        return bool(self.samples or self.rows or self.reasons)
+
+    def as_json(self) -> dict[str, Any]:
+        """The ``lost`` entry of ``result.json``."""
+        return {"samples": self.samples, "rows": self.rows, "reasons": list(self.reasons)}
+
+    def describe(self) -> str:
+        """One sentence: how much was lost and why."""
+        return f"{self.samples} samples ({self.rows} rows) were lost: " + "; ".join(self.reasons)
 
 
 @dataclass(slots=True)
 class WriterReport:
-    """What the writer did: chunks and samples written, and what it lost."""
+    """What the writer did: chunks, samples and rows written, and what was lost."""
 
     chunks: int = 0
     samples_written: int = 0
     rows_written: int = 0
-    lost: list[str] = field(default_factory=list)
+    losses: Losses = field(default_factory=Losses)
+    died: bool = False
 
 
 class ChunkWriter:
@@ -46,10 +88,12 @@ class ChunkWriter:
         layout: The run's paths.
         chunk_rows: Rows buffered before a chunk is written.
         flush_seconds: A non-empty buffer is written at least this often, bounding what a crash
-            can lose.
+            can lose; after a failed write, the interval between retries.
         queue_size: Samples waiting for the writer before ``put`` blocks.
-        on_sample: Called on the writer thread with each sample, in order (aggregates for
-            result.json, TensorBoard histograms); a failure is reported like a failed chunk.
+        on_sample: Called on the writer thread with each sample as it arrives (TensorBoard
+            histograms); a failure is reported and the sample is still written.
+        on_written: Called with each sample once its chunk is on disk, in order (the aggregates
+            of result.json, which so describe exactly the rows of the history).
     """
 
     def __init__(
@@ -60,15 +104,21 @@ class ChunkWriter:
         flush_seconds: float,
         queue_size: int,
         on_sample: Sequence[Callable[[SampleRecord], None]] = (),
+        on_written: Sequence[Callable[[SampleRecord], None]] = (),
     ) -> None:
         self._layout = layout
         self._chunk_rows = chunk_rows
         self._flush_seconds = flush_seconds
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
         self._on_sample = tuple(on_sample)
+        self._on_written = tuple(on_written)
         self._report = WriterReport()
-        self._error: BaseException | None = None
+        self._error: Exception | None = None
         self._lock = threading.Lock()
+        self._buffer: list[SampleRecord] = []
+        self._rows = 0
+        self._retry_at = 0.0
+        self._last_failure = ""
         self._thread = threading.Thread(
             target=self._run, name="torchinstruments-writer", daemon=True
         )
@@ -78,15 +128,46 @@ class ChunkWriter:
         self._thread.start()
 
     def put(self, sample: SampleRecord) -> None:
-        """Queue a sample; raise (once) the error of a chunk the writer failed to write."""
+        """Queue a sample; then raise (once) the error of a failure the writer reported.
+
+        Never waits on a dead writer: the sample is counted as lost instead.
+        """
+        if self._report.died or not self._enqueue(sample):
+            with self._lock:
+                self._report.losses.add([sample], self._death_reason())
         self._raise_pending()
-        self._queue.put(sample)
 
     def finish(self) -> WriterReport:
-        """Write what is buffered, stop the thread and report."""
-        self._queue.put(_STOP)
+        """Write what is buffered, stop the thread and report (also when the thread died)."""
+        self._enqueue(_STOP)
         self._thread.join()
+        leftovers = self._drain()  # queued after the writer died, or never reached by it
+        if leftovers:
+            with self._lock:
+                self._report.losses.add(leftovers, self._death_reason())
         return self._report
+
+    def _enqueue(self, item: object) -> bool:
+        """Put ``item`` on the queue unless the writer is dead; whether it was queued."""
+        if self._report.died:
+            return False
+        try:
+            self._queue.put_nowait(item)  # the usual case: room in the queue, no waiting
+        except queue.Full:
+            return self._enqueue_when_room(item)
+        return True
+
+    def _enqueue_when_room(self, item: object) -> bool:
+        """Wait for room, checking every ``_POLL_SECONDS`` that the writer still lives."""
+        while not self._report.died:
+            try:
+                self._queue.put(item, timeout=_POLL_SECONDS)
+            except queue.Full:
+                if not self._thread.is_alive():
+                    return False
+                continue
+            return True
+        return False
 
     def _raise_pending(self) -> None:
         with self._lock:
@@ -94,9 +175,18 @@ class ChunkWriter:
         if error is not None:
             raise error
 
+    def _death_reason(self) -> str:
+        return f"the writer thread of {self._layout.root} had stopped"
+
+    # -- the writer thread ----------------------------------------------------------------------
+
     def _run(self) -> None:
-        buffer: list[SampleRecord] = []
-        rows = 0
+        try:
+            self._loop()
+        except BaseException as error:  # a Polars panic is a BaseException; nothing may hang
+            self._die(error)
+
+    def _loop(self) -> None:
         deadline = time.monotonic() + self._flush_seconds
         while True:
             try:
@@ -104,53 +194,144 @@ class ChunkWriter:
             except queue.Empty:
                 item = None
             if item is _STOP:
-                self._write(buffer)
+                self._flush(final=True)
                 return
             if item is not None:
-                sample: SampleRecord = item  # type: ignore[assignment]
-                buffer.append(sample)
-                rows += len(sample.rows)
-                self._observe(sample)
-            if buffer and (rows >= self._chunk_rows or time.monotonic() >= deadline):
-                self._write(buffer)
-                buffer, rows = [], 0
-            if time.monotonic() >= deadline:
+                self._take(item)  # type: ignore[arg-type]
+            due = time.monotonic() >= deadline
+            if self._buffer and (self._rows >= self._chunk_rows or due):
+                self._flush(final=False)
+            if due:
                 deadline = time.monotonic() + self._flush_seconds
 
-    def _observe(self, sample: SampleRecord) -> None:
+    def _take(self, sample: SampleRecord) -> None:
+        self._buffer.append(sample)
+        self._rows += len(sample.rows)
         for consumer in self._on_sample:
             try:
                 consumer(sample)
             except Exception as error:
-                self._fail(f"the {_name(consumer)} of sample {sample.sample_id}", error)
+                self._consumer_failed(consumer, sample, error)
 
-    def _write(self, samples: list[SampleRecord]) -> None:
-        if not samples:
+    def _flush(self, *, final: bool) -> None:
+        if not self._buffer or (not final and time.monotonic() < self._retry_at):
+            self._trim()
             return
-        number = self._report.chunks
+        samples = self._buffer
         try:
-            _write_parquet(samples_frame(samples), self._layout.part("samples", number))
-            _write_parquet(history_frame(samples), self._layout.part("history", number))
+            self._write_chunk(samples)
         except Exception as error:
-            first, last = samples[0].sample_id, samples[-1].sample_id
-            self._fail(f"samples {first} to {last}", error)
+            self._failed_write(samples, error, final=final)
             return
+        self._buffer, self._rows = [], 0
+        self._retry_at = 0.0
+        self._written(samples)
+
+    def _failed_write(self, samples: list[SampleRecord], error: Exception, *, final: bool) -> None:
+        self._retry_at = time.monotonic() + self._flush_seconds
+        self._last_failure = cause(error)
+        first, last = samples[0].sample_id, samples[-1].sample_id
+        what = f"samples {first} to {last} were not written to {self._layout.root}"
+        if final:
+            self._lose(samples, f"the last chunk could not be written ({self._last_failure})")
+            self._buffer, self._rows = [], 0
+        else:
+            self._trim()
+            what += (
+                " (kept for a retry; past chunk_rows rows the oldest are dropped; result.json "
+                "counts every lost sample)"
+            )
+        self._fail(f"{what}: {_describe(error)}")
+
+    def _write_chunk(self, samples: list[SampleRecord]) -> None:
+        number = self._report.chunks
+        targets = (self._layout.part("history", number), self._layout.part("samples", number))
+        try:
+            atomic_write_parquet(history_frame(samples), targets[0])
+            atomic_write_parquet(samples_frame(samples), targets[1])
+        except BaseException:
+            for target in targets:  # half a chunk would count its samples twice after a retry
+                with contextlib.suppress(OSError):
+                    target.unlink(missing_ok=True)
+            raise
+
+    def _written(self, samples: list[SampleRecord]) -> None:
         self._report.chunks += 1
         self._report.samples_written += len(samples)
         self._report.rows_written += sum(len(s.rows) for s in samples)
+        for sample in samples:
+            for consumer in self._on_written:
+                try:
+                    consumer(sample)
+                except Exception as error:
+                    self._consumer_failed(consumer, sample, error)
 
-    def _fail(self, what: str, error: Exception) -> None:
-        message = f"{what} were not written to {self._layout.root}: {type(error).__name__}: {error}"
-        self._report.lost.append(message)
+    def _consumer_failed(
+        self, consumer: Callable[[SampleRecord], None], sample: SampleRecord, error: Exception
+    ) -> None:
+        failure = f"the {_name(consumer)} failed ({cause(error)})"
+        self._fail(
+            f"{failure} on sample {sample.sample_id} in {self._layout.root}",
+            note=f"{failure}; the history rows were still written",
+        )
+
+    def _trim(self) -> None:
+        """While writes fail, keep at most ``chunk_rows`` rows (or one sample): newest first."""
+        dropped: list[SampleRecord] = []
+        while len(self._buffer) > 1 and self._rows > self._chunk_rows:
+            sample = self._buffer.pop(0)
+            self._rows -= len(sample.rows)
+            dropped.append(sample)
+        if dropped:
+            failure = self._last_failure
+            self._lose(dropped, f"dropped while chunks could not be written ({failure})")
+
+    def _lose(self, samples: Sequence[SampleRecord], reason: str) -> None:
         with self._lock:
+            self._report.losses.add(samples, reason)
+
+    def _fail(self, message: str, *, note: str | None = None) -> None:
+        """Report a failure to the training thread (its next ``put`` raises it)."""
+        with self._lock:
+            if note is not None:
+                self._report.losses.note(note)
             self._error = OSError(message)
+
+    def _die(self, error: BaseException) -> None:
+        reason = f"the writer thread died ({cause(error)})"
+        with self._lock:
+            self._report.died = True
+            self._report.losses.add(self._buffer, reason)
+            self._buffer, self._rows = [], 0
+            self._error = OSError(
+                f"{reason}; the samples it had and every later sample of {self._layout.root} "
+                "are counted as lost (see result.json)"
+            )
+        leftovers = self._drain()
+        with self._lock:
+            self._report.losses.add(leftovers, reason)
+
+    def _drain(self) -> list[SampleRecord]:
+        drained: list[SampleRecord] = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return drained
+            if item is not _STOP:
+                drained.append(item)  # type: ignore[arg-type]
 
 
 def _name(consumer: Callable[[SampleRecord], None]) -> str:
     return getattr(consumer, "describes", None) or type(consumer).__name__
 
 
-def _write_parquet(frame: pl.DataFrame, path: Path) -> None:
-    temporary = temporary_sibling(path)
-    frame.write_parquet(temporary)
-    os.replace(temporary, path)
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def cause(error: BaseException) -> str:
+    """The cause without the file name, so that one cause is one reason however often it hits."""
+    if isinstance(error, OSError) and error.strerror:
+        return f"{type(error).__name__}: [Errno {error.errno}] {error.strerror}"
+    return _describe(error)

@@ -2,31 +2,48 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import shutil
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import TYPE_CHECKING
 
 from torchinstruments_core._config import check_positive_int
 from torchinstruments_core._exceptions import ConfigurationError
 from torchinstruments_core.run_directory._aggregate import RunAggregates
+from torchinstruments_core.run_directory._claim import (
+    claim_folder,
+    lock_folder,
+    release_folder,
+    unlock_folder,
+)
+from torchinstruments_core.run_directory._finalize import (
+    commit,
+    compact,
+    compact_tables,
+    remove_parts,
+)
 from torchinstruments_core.run_directory._index import write_index
 from torchinstruments_core.run_directory._layout import (
+    REPAIR_COMMAND,
     RunLayout,
     layout_for,
-    refuse_existing,
-    temporary_sibling,
+    prepare_output_dir,
 )
 from torchinstruments_core.run_directory._result import write_result
-from torchinstruments_core.run_directory._tables import history_schema, samples_schema
+from torchinstruments_core.run_directory._state import RunStatus
 from torchinstruments_core.run_directory._tensorboard import TensorBoardHistograms
-from torchinstruments_core.run_directory._writer import ChunkWriter, WriterReport
+from torchinstruments_core.run_directory._writer import ChunkWriter, WriterReport, cause
 
 if TYPE_CHECKING:
     from torchinstruments_core._records import RunInfo, SampleRecord
 
+__all__ = ["RunDirectorySink", "compact"]
+
 logger = logging.getLogger(__name__)
+
+_open_sinks: weakref.WeakSet[RunDirectorySink] = weakref.WeakSet()
+_FATAL = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 class RunDirectorySink:
@@ -44,15 +61,31 @@ class RunDirectorySink:
 
     A sample goes from the training thread to a bounded queue; a background thread writes chunks
     (atomically: temporary file, then rename), so a run killed at any moment leaves every completed
-    chunk readable and at most ``flush_seconds`` of samples unwritten. ``output_dir`` must not
-    already hold a run (``RunDirectoryExistsError``): a new run never overwrites an old one.
+    chunk readable and at most ``flush_seconds`` of samples unwritten.
+
+    Checked when the sink is made (at injection, before training starts): ``output_dir`` is made
+    absolute (a later ``os.chdir`` does not move the run), created, and probed with a temporary
+    file (``ConfigurationError`` if it cannot be); it must not hold a run or any name a run
+    writes, links included (``RunDirectoryExistsError``); and no other sink of this process may
+    hold it. Across processes the folder is locked when the run opens (its first sample).
+
+    Only the process that opened the run writes and finalizes it: in a process forked from it
+    (a ``DataLoader`` worker, ``os.fork()``), ``write`` and ``close`` do nothing.
+
+    Nothing is lost silently: every sample is either in the history or counted in ``lost`` in
+    result.json (status ``complete_with_losses``), and ``close`` raises ``OSError`` saying how
+    many samples and rows were lost and why. A writer thread that dies is never waited on.
 
     Args:
-        output_dir: The run's folder; created when the first sample is taken.
-        chunk_rows: Rows per chunk (bounds the writer's memory).
-        flush_seconds: Longest time a finished sample waits in memory before reaching disk.
+        output_dir: The run's folder.
+        chunk_rows: Rows per chunk (bounds the writer's memory, also while writes fail).
+        flush_seconds: Longest time a finished sample waits in memory before reaching disk, and
+            the interval between retries of a chunk that could not be written.
         queue_size: Samples that may wait for the writer before the training thread blocks.
         tensorboard: Write the focus layers' histograms to ``tensorboard/``.
+
+    Attributes:
+        report: After ``close``: chunks, samples and rows written, and ``losses``.
     """
 
     def __init__(
@@ -64,83 +97,132 @@ class RunDirectorySink:
         queue_size: int = 64,
         tensorboard: bool = True,
     ) -> None:
-        self.output_dir = Path(output_dir)
-        if self.output_dir.exists() and not self.output_dir.is_dir():
-            raise ConfigurationError.invalid("output_dir", str(output_dir), "a directory path")
-        refuse_existing(self.output_dir)
         self._chunk_rows = check_positive_int("chunk_rows", chunk_rows, minimum=1)
         self._queue_size = check_positive_int("queue_size", queue_size, minimum=1)
         if not flush_seconds > 0:
             raise ConfigurationError.invalid("flush_seconds", flush_seconds, "a number > 0")
         self._flush_seconds = float(flush_seconds)
         self._tensorboard_enabled = tensorboard
+        self.output_dir = prepare_output_dir(output_dir)
+        claim_folder(self.output_dir, self)
         self.layout: RunLayout | None = None
+        self.report: WriterReport | None = None
         self._run: RunInfo | None = None
         self._writer: ChunkWriter | None = None
         self._tensorboard: TensorBoardHistograms | None = None
         self._aggregates = RunAggregates()
+        self._owner_pid: int | None = None
+        self._inherited = False  # set in a forked child, where this sink must do nothing
+        self._lock: int | None = None
 
     def open(self, run: RunInfo) -> None:
-        """Create the run folder, write the catalog and start the writer thread."""
+        """Create the run folder, lock it, write the catalog and start the writer thread."""
         self._run = run
-        self.layout = layout_for(self.output_dir, rank=run.rank, per_rank=run.rank_policy == "all")
+        layout = layout_for(self.output_dir, rank=run.rank, per_rank=run.rank_policy == "all")
+        self._lock = lock_folder(layout.root)
+        self.layout = layout
+        self._owner_pid = os.getpid()
+        _open_sinks.add(self)
         if self._tensorboard_enabled:
-            self._tensorboard = TensorBoardHistograms(self.layout.tensorboard)
-        write_result(self.layout.result, run, None, status="running")
-        write_index(self.layout.index, run, status="running")
+            self._tensorboard = TensorBoardHistograms(layout.tensorboard)
+        write_result(layout.result, run, None, status=RunStatus.RUNNING)
+        write_index(layout.index, run, status=RunStatus.RUNNING)
         self._writer = ChunkWriter(
-            self.layout,
+            layout,
             chunk_rows=self._chunk_rows,
             flush_seconds=self._flush_seconds,
             queue_size=self._queue_size,
-            on_sample=[self._aggregates.add, *([self._tensorboard] if self._tensorboard else [])],
+            on_sample=[self._tensorboard] if self._tensorboard else [],
+            on_written=[self._aggregates.add],
         )
         self._writer.start()
 
     def write(self, sample: SampleRecord) -> None:
         """Queue the sample for the writer thread (blocks only while the queue is full)."""
+        if self._inherited:
+            return
         if self._writer is None:
             raise RuntimeError("RunDirectorySink.write called before open")
         self._writer.put(sample)
 
     def close(self) -> None:
-        """Write the last chunk, compact the history, write result.json and index.md.
+        """Write the last chunk, compact the history, write index.md and result.json.
+
+        Does nothing in a process other than the one that opened the run.
 
         Raises:
-            OSError: Some samples could not be written; the message lists them. Everything that
-                could be written has been.
+            OSError: Some samples were lost (the message counts them and says why), or the run
+                could not be finalized (its chunks are intact; the message gives the repair
+                command). Everything that could be written has been.
         """
-        if self._writer is None or self.layout is None or self._run is None:
+        if self._owner_pid is not None and self._owner_pid != os.getpid():
+            return  # a forked copy: the parent's run is not ours to touch
+        release_folder(self.output_dir, self)
+        writer, self._writer = self._writer, None
+        if writer is None or self.layout is None or self._run is None:
             return
-        report = self._writer.finish()
-        self._writer = None
+        try:
+            self._close(writer, self.layout, self._run)
+        except _FATAL:
+            raise
+        except Exception:
+            raise
+        except BaseException as error:  # a Polars panic must not escape into training
+            raise RuntimeError(f"finalizing {self.layout.root} failed: {error!r}") from error
+        finally:
+            unlock_folder(self._lock)
+            self._lock = None
+            _open_sinks.discard(self)
+
+    def _close(self, writer: ChunkWriter, layout: RunLayout, run: RunInfo) -> None:
+        self.report = report = writer.finish()
         if self._tensorboard is not None:
             self._tensorboard.close()
-        self._finalize(self.layout, self._run, report)
-        if report.lost:
-            raise OSError("; ".join(report.lost))
-
-    def _finalize(self, layout: RunLayout, run: RunInfo, report: WriterReport) -> None:
         if report.chunks:
             logger.info("torchinstruments: compacting %d chunks in %s", report.chunks, layout.root)
-        compact(layout.parts, "history", layout.history, history_schema())
-        compact(layout.parts, "samples", layout.samples, samples_schema())
-        write_result(layout.result, run, self._aggregates, status="complete")
-        write_index(layout.index, run, status="complete")
-        shutil.rmtree(layout.parts, ignore_errors=True)
+        self._finalize(layout, run, report)
+        if report.losses:
+            raise OSError(f"{layout.root}: {report.losses.describe()}")
+
+    def _finalize(self, layout: RunLayout, run: RunInfo, report: WriterReport) -> None:
+        losses = report.losses
+        status = RunStatus.COMPLETE_WITH_LOSSES if losses else RunStatus.COMPLETE
+        try:
+            compact_tables(layout)
+            commit(layout, run, self._aggregates, status=status, lost=losses.as_json())
+        except _FATAL:
+            raise
+        except BaseException as error:  # a Polars panic too: the chunks are still intact
+            self._unfinalized(layout, run, report, error)
+        remove_parts(layout)
+
+    def _unfinalized(
+        self, layout: RunLayout, run: RunInfo, report: WriterReport, error: BaseException
+    ) -> None:
+        losses = report.losses
+        losses.note(f"finalizing failed ({cause(error)})")
+        # The chunks stay authoritative; say so if the disk allows (else "running" says the same).
+        with contextlib.suppress(Exception):
+            write_result(
+                layout.result,
+                run,
+                self._aggregates,
+                status=RunStatus.NEEDS_REPAIR,
+                lost=losses.as_json(),
+            )
+        raise OSError(
+            f"{layout.root} could not be finalized ({type(error).__name__}: {error}); its chunks "
+            f"in history.parts are intact: complete it with `{REPAIR_COMMAND} {layout.root}`"
+            + (f". Besides, {losses.describe()}" if losses.samples else "")
+        ) from error
 
     def __repr__(self) -> str:
         return f"RunDirectorySink({str(self.output_dir)!r})"
 
 
-def compact(parts: Path, table: str, target: Path, schema: Any) -> None:
-    """Stream every chunk of ``table`` into ``target`` (bounded memory), atomically."""
-    import polars as pl
+def _inherit_after_fork() -> None:
+    for sink in list(_open_sinks):
+        sink._inherited = True
 
-    chunks = sorted(parts.glob(f"{table}-*.parquet"))
-    temporary = temporary_sibling(target)
-    if chunks:
-        pl.scan_parquet(chunks, schema=schema).sink_parquet(temporary)
-    else:
-        pl.DataFrame(schema=schema).write_parquet(temporary)
-    os.replace(temporary, target)
+
+os.register_at_fork(after_in_child=_inherit_after_fork)
