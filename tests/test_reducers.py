@@ -331,6 +331,7 @@ def test_histogram_reducer_packs_and_unpacks() -> None:
     assert reducer.unpack(packed.tolist()) == (edges, counts, nonfinite)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu_in_deterministic_mode() -> None:
     """On CUDA, with deterministic algorithms on, all reductions run and agree with the CPU."""
     tensor = _make("nonfinite", torch.float32, numel=300_001)

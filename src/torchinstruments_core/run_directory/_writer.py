@@ -245,10 +245,11 @@ class ChunkWriter:
 
     def _write_chunk(self, samples: list[SampleRecord]) -> None:
         number = self._report.chunks
-        targets = (self._layout.part("history", number), self._layout.part("samples", number))
+        # samples first: a kill between the two leaves no history row without its sample's row
+        targets = (self._layout.part("samples", number), self._layout.part("history", number))
         try:
-            atomic_write_parquet(history_frame(samples), targets[0])
-            atomic_write_parquet(samples_frame(samples), targets[1])
+            atomic_write_parquet(samples_frame(samples), targets[0])
+            atomic_write_parquet(history_frame(samples), targets[1])
         except BaseException:
             for target in targets:  # half a chunk would count its samples twice after a retry
                 with contextlib.suppress(OSError):
