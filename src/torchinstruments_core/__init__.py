@@ -17,12 +17,14 @@ from torchinstruments_core._observer import Observer
 from torchinstruments_core._records import (
     HistogramRecord,
     LayerInfo,
+    RecordKind,
     RunInfo,
     SampleRecord,
     Signal,
     StatRow,
     UnavailableReason,
 )
+from torchinstruments_core._step_records import StepTensor
 from torchinstruments_core.reducers import (
     HistogramReducer,
     MomentsReducer,
@@ -56,6 +58,7 @@ __all__ = [
     "Observer",
     "ObserverAlreadyAttachedError",
     "QuantileReducer",
+    "RecordKind",
     "Reducer",
     "RunInfo",
     "SampleRecord",
@@ -64,6 +67,7 @@ __all__ = [
     "Signal",
     "Sink",
     "StatRow",
+    "StepTensor",
     "TorchInstrumentsError",
     "UnavailableReason",
     "all_of",

@@ -8,6 +8,7 @@ from torchinstruments_core.run_directory._folders import (
 )
 from torchinstruments_core.run_directory._index import QUERIES, QUERY_PRELUDE
 from torchinstruments_core.run_directory._layout import RunLayout, existing_run, next_free_folder
+from torchinstruments_core.run_directory._read import scan_samples
 from torchinstruments_core.run_directory._summary import summarize_run
 from torchinstruments_core.run_directory._tables import history_schema, samples_schema
 from torchinstruments_core.run_directory.sink import RunDirectorySink
@@ -25,5 +26,6 @@ __all__ = [
     "resumed_folder",
     "safe_name",
     "samples_schema",
+    "scan_samples",
     "summarize_run",
 ]

@@ -23,6 +23,8 @@ from array import array
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from torchinstruments_core._signals import RecordKind
+
 if TYPE_CHECKING:
     from torchinstruments_core._records import SampleRecord, StatRow
 
@@ -132,16 +134,34 @@ class RunAggregates:
         self.forward_only = 0
         self.duration_ms = 0.0
         self.max_duration_ms = 0.0
+        self.step_records = 0
+        self.step_duration_ms = 0.0
         self._rng = random.Random(seed)
 
     def add(self, sample: SampleRecord) -> None:
-        """Fold in every row of ``sample``."""
+        """Fold in every row of ``sample``; a step record is counted apart from the samples."""
+        if sample.kind is RecordKind.STEP:
+            self._add_step_record(sample)
+            return
         self.samples += 1
         self.forward_only += int(sample.forward_only)
         self.duration_ms += sample.collection_duration_ms
         self.max_duration_ms = max(self.max_duration_ms, sample.collection_duration_ms)
         for row in sample.rows:
             self._metric(row).add(row.value, row.unavailable_reason, self._rng)
+
+    def _add_step_record(self, record: SampleRecord) -> None:
+        self.step_records += 1
+        self.step_duration_ms += record.collection_duration_ms
+        for row in record.rows:
+            self._metric(row).add(row.value, row.unavailable_reason, self._rng)
+
+    def step_record_summary(self) -> dict[str, Any]:
+        """Totals over the step records: count and collection time."""
+        return {
+            "count": self.step_records,
+            "collection_duration_ms": {"total": self.step_duration_ms},
+        }
 
     def _metric(self, row: StatRow) -> MetricAggregate:
         key = (row.layer, row.call_index, row.signal.value, row.tensor_path, row.metric)

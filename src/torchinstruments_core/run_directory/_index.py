@@ -12,6 +12,11 @@ from typing import TYPE_CHECKING
 
 from torchinstruments_core._records import UnavailableReason
 from torchinstruments_core.run_directory._layout import atomic_write_text
+from torchinstruments_core.run_directory._signal_docs import (
+    signal_meaning,
+    signals_section,
+    tensor_path_meaning,
+)
 from torchinstruments_core.run_directory._tables import history_schema
 
 if TYPE_CHECKING:
@@ -22,13 +27,14 @@ if TYPE_CHECKING:
 _MEANINGS = {
     "run_id": "which run",
     "rank": "which process (global rank)",
-    "sample_id": "0, 1, 2 … within the run and rank",
-    "step": "the trainer step of the sample (null without a trainer)",
-    "timestamp": "when the sample's root forward began (UTC)",
+    "sample_id": "the record (a sample or a step record, see Signals): 0, 1, 2 … within the run "
+    "and rank",
+    "step": "the trainer step of the record (null without a trainer)",
+    "timestamp": "when the sample's root forward (or the step record) began (UTC)",
     "layer": "the module's name in the model, wrapper prefixes removed; `<root>` is the model",
     "call_index": "which call of the module within the sample (0 for the first)",
-    "signal": "`output` or `output_gradient` (the gradient flowing back into that output)",
-    "tensor_path": "where the tensor sits in the output: `output`, `output.0`, `output.logits`",
+    "signal": signal_meaning(),
+    "tensor_path": tensor_path_meaning(),
     "metric": "the statistic (see Metrics)",
     "value": "the statistic's value; null exactly when `unavailable_reason` is set",
     "unavailable_reason": "why there is no value: " + ", ".join(UnavailableReason),
@@ -80,19 +86,29 @@ outliers = (
 print(outliers)""",
     ),
     (
-        "Gradient rms per layer in the last sample",
+        "Gradient rms per layer in the last sample with a backward",
         """\
-last = history.select(pl.col("sample_id").max()).collect().item()
+gradient_rms = history.filter(
+    (pl.col("signal") == "output_gradient") & (pl.col("metric") == "rms")
+)
+last = gradient_rms.select(pl.col("sample_id").max()).collect().item()
 gradients = (
-    history.filter(
-        (pl.col("sample_id") == last)
-        & (pl.col("signal") == "output_gradient")
-        & (pl.col("metric") == "rms")
-    )
+    gradient_rms.filter(pl.col("sample_id") == last)
     .select("layer", "call_index", "tensor_path", "value")
     .collect()
 )
 print(gradients)""",
+    ),
+    (
+        "Records of each kind: forward samples and optimizer-step records",
+        """\
+kinds = (
+    pl.scan_parquet("samples.parquet")
+    .group_by("kind")
+    .agg(records=pl.len(), first_id=pl.col("sample_id").min(), last_id=pl.col("sample_id").max())
+    .collect()
+)
+print(kinds)""",
     ),
     (
         "Values that could not be computed, and why",
@@ -117,7 +133,8 @@ def write_index(path: Path, run: RunInfo, *, status: str) -> None:
 
 def render_index(run: RunInfo, *, status: str) -> str:
     """The text of ``index.md``."""
-    parts = [_header(run, status), _files(), _schema(), "## Metrics\n\n" + _METRICS]
+    parts = [_header(run, status), _files(), _schema(), signals_section()]
+    parts += ["## Metrics\n\n" + _METRICS]
     parts += [_catalog(run), _queries()]
     return "\n\n".join(parts) + "\n"
 
@@ -148,7 +165,8 @@ def _files() -> str:
 | file | what it holds |
 |---|---|
 | `history.parquet` | the long table: one row per scalar (schema below) |
-| `samples.parquet` | a row per sample: step, optimizer_step, forward_only, collection_duration_ms |
+| `samples.parquet` | a row per record: kind (`forward` sample or `step` record), step, \
+optimizer_step, forward_only, collection_duration_ms |
 | `history.parts/` | the same data in immutable chunks while the run is going (removed at the end) |
 | `result.json` | aggregates per layer, call, signal, tensor and metric over the whole run |
 | `tensorboard/` | histograms of the focus modules: `tensorboard --logdir tensorboard` |"""

@@ -2,7 +2,10 @@
 
 Every selected layer is listed, in execution order (layers that never ran follow in model order),
 each with its measurements; the statistics of each metric are those of ``_aggregate``. Strict
-JSON: a number that is not finite is written as null.
+JSON: a number that is not finite is written as null. ``samples`` totals the forward samples,
+``step_records`` the optimizer steps' records, and ``signals`` says which kind each signal's
+rows belong to (a step record's measurements are under the module owning the parameter, with
+``tensor_path`` the parameter's name).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchinstruments_core.run_directory._aggregate import Key, MetricAggregate, RunAggregates
 from torchinstruments_core.run_directory._layout import atomic_write_text
+from torchinstruments_core.run_directory._signal_docs import signal_entries
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -33,9 +37,14 @@ def write_result(
         "sampling_policy": run.sampling_policy,
         "metrics": list(run.metrics),
         "samples": aggregates.sample_summary() if aggregates else RunAggregates().sample_summary(),
+        **_records(aggregates or RunAggregates()),
         "layers": _layers(run, aggregates.metrics if aggregates else {}),
     }
     atomic_write_text(path, json.dumps(_finite(document), indent=2, allow_nan=False) + "\n")
+
+
+def _records(aggregates: RunAggregates) -> dict[str, Any]:
+    return {"step_records": aggregates.step_record_summary(), "signals": signal_entries()}
 
 
 def _layers(run: RunInfo, metrics: dict[Key, MetricAggregate]) -> list[dict[str, Any]]:
