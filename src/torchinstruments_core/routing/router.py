@@ -40,8 +40,8 @@ class LoggerRouter:
         scalar_layers: ``"focus"`` (default: the histogram layers, at most 8), ``"all"``, or glob
             patterns of layer names.
         histograms: Also log the focus layers' histograms (to targets that take them).
-        signals: The signals routed (default: every signal defined as routed: ``output``,
-            ``output_gradient``, ``parameter``).
+        signals: Names of the signals routed (default: those whose definition in ``Signal``
+            says routed, today all of them).
     """
 
     def __init__(

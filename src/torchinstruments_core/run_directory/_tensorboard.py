@@ -47,8 +47,10 @@ class TensorBoardHistograms:
         scalars = {
             f"{PREFIX}/{_key(row)}/{row.metric}": row.value
             for row in sample.rows
-            if row.layer in focus and row.metric in DEFAULT_SCALAR_METRICS and row.value is not None
-            if row.signal in signals
+            if row.layer in focus
+            and row.metric in DEFAULT_SCALAR_METRICS
+            and row.value is not None
+            and row.signal in signals
         }
         scalars |= summary_scalars(sample, PREFIX)
         step = sample.step if sample.step is not None else sample.sample_id
