@@ -39,6 +39,7 @@ SURFACES: dict[str, list[str]] = {
         "Observer",
         "ObserverAlreadyAttachedError",
         "QuantileReducer",
+        "RecordKind",
         "Reducer",
         "RunDirectoryExistsError",
         "RunInfo",
@@ -48,6 +49,7 @@ SURFACES: dict[str, list[str]] = {
         "Signal",
         "Sink",
         "StatRow",
+        "StepTensor",
         "TorchInstrumentsError",
         "UnavailableReason",
         "all_of",
@@ -108,6 +110,7 @@ SURFACES: dict[str, list[str]] = {
         "resumed_folder",
         "safe_name",
         "samples_schema",
+        "scan_samples",
         "summarize_run",
     ],
     "torchinstruments_core.samplers": [

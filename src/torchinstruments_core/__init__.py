@@ -18,12 +18,14 @@ from torchinstruments_core._observer import Observer
 from torchinstruments_core._records import (
     HistogramRecord,
     LayerInfo,
+    RecordKind,
     RunInfo,
     SampleRecord,
     Signal,
     StatRow,
     UnavailableReason,
 )
+from torchinstruments_core._step_records import StepTensor
 from torchinstruments_core._version import __version__ as __version__
 from torchinstruments_core.reducers import (
     HistogramReducer,
@@ -56,6 +58,7 @@ __all__ = [
     "Observer",
     "ObserverAlreadyAttachedError",
     "QuantileReducer",
+    "RecordKind",
     "Reducer",
     "RunDirectoryExistsError",
     "RunInfo",
@@ -65,6 +68,7 @@ __all__ = [
     "Signal",
     "Sink",
     "StatRow",
+    "StepTensor",
     "TorchInstrumentsError",
     "UnavailableReason",
     "all_of",

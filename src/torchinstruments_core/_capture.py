@@ -13,7 +13,6 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from torchinstruments_core._hooks import ForwardPatch, Hook, force_eager, inert_hook, run_eagerly
-from torchinstruments_core._records import Signal
 from torchinstruments_core._sample import Sample, Site
 
 if TYPE_CHECKING:
@@ -196,5 +195,8 @@ class Attachment:
 
 
 def gradient_signal_site(site: Site) -> Site:
-    """The site of the gradient that flows back into an observed output."""
-    return Site(site.layer, site.call_index, Signal.OUTPUT_GRADIENT, site.tensor_path)
+    """The site of the gradient that flows back into an observed tensor (its signal's gradient)."""
+    gradient = site.signal.gradient
+    if gradient is None:
+        raise ValueError(f"the signal {site.signal} has no gradient signal")
+    return Site(site.layer, site.call_index, gradient, site.tensor_path)

@@ -23,9 +23,12 @@ from torchinstruments_core._delivery import DeliveryQueue
 from torchinstruments_core._failures import OBSERVE_CONSEQUENCE
 from torchinstruments_core._probe import OutputProbe
 from torchinstruments_core._sample import Sample
+from torchinstruments_core._step_records import StepRecorder
 from torchinstruments_core._torch_private import in_backward
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from torch import nn
 
     from torchinstruments_core._failures import FailureReport
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
     from torchinstruments_core._rank_gate import RankGate
     from torchinstruments_core._scale import GradientScaleReader
     from torchinstruments_core._sink_session import SinkSession
+    from torchinstruments_core._step_records import StepTensor
 
 
 class _Sentinel:
@@ -90,6 +94,7 @@ class SampleLifecycle:
         self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
         self._delivery = DeliveryQueue(self._lock, sink, config.run_id, gate)
         self._probe = OutputProbe(config.measurer, failures, self._close, self._waiting)
+        self._steps = StepRecorder(config.measurer, failures)
         self.attachment = Attachment(
             model,
             config.layers,
@@ -196,6 +201,31 @@ class SampleLifecycle:
         self.update_arming()
         if not keep:
             self._close(sample)
+
+    # -- step records ------------------------------------------------------------------------
+
+    def record_step(self, step: int | None, tensors: Iterable[StepTensor]) -> int | None:
+        """Measure one optimizer step's tensors into a step record and deliver it like a sample.
+
+        Returns:
+            The record's id, from the samples' sequence; ``None`` when nothing was recorded (a
+            rank that does not observe, or after removal).
+        """
+        self._gate.resolve()
+        if self.removed or not self._gate.enabled:
+            return None
+        started = time.perf_counter()
+        self._delivery.drain(wait=False)
+        self._sink.open()
+        with self._lock:
+            record = self._steps.open(self.next_sample_id, step)
+            self.next_sample_id += 1
+        record.duration_s += time.perf_counter() - started
+        self._steps.measure(record, tensors)
+        record.closed = True  # complete: nothing joins it on its way to the host
+        self._delivery.push(record)
+        self._delivery.drain(wait=False)
+        return record.sample_id
 
     # -- the per-module hooks -----------------------------------------------------------------
 

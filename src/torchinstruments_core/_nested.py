@@ -15,10 +15,10 @@ import torch
 _MAX_DEPTH = 16
 
 
-def iter_tensors(
-    value: Any, path: str = "output", depth: int = 0
-) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(value: Any, path: str, depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(tensor_path, tensor)`` for every tensor in a nested output, depth first.
+
+    ``path`` is the root of every path: the signal's ``tensor_root`` (``output``).
 
     Containers nested deeper than 16 levels are not followed (a cyclic structure stops there).
     """

@@ -13,6 +13,7 @@ transfer and the sink receives the ``SampleRecord``.
 - ``_rank_gate.RankGate``: whether this rank observes at all.
 - ``_lifecycle.SampleLifecycle``: opening, tracking and closing samples; the hooks' arming.
 - ``_probe.OutputProbe``: measuring outputs, matching gradients (checkpoint recomputation too).
+- ``_step_records.StepRecorder``: measuring an optimizer step's tensors into a step record.
 - ``_scale.GradientScaleReader``: the loss scale the recorded gradients are divided by.
 - ``_delivery.DeliveryQueue``: transfers in flight, delivered to the sink in closing order.
 - ``_sink_session.SinkSession``: the sink opened once, written, closed, each call guarded.
@@ -36,10 +37,13 @@ from torchinstruments_core._scale import GradientScaleReader
 from torchinstruments_core._sink_session import SinkSession
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from torch import nn
 
     from torchinstruments_core._layers import Layer
     from torchinstruments_core._scale import GradientScale
+    from torchinstruments_core._step_records import StepTensor
 
 __all__ = ["Observer", "ObserverConfig"]
 
@@ -94,7 +98,7 @@ class Observer:
 
     @property
     def samples_taken(self) -> int:
-        """The ``sample_id`` of the next sample (samples taken so far plus ``first_sample_id``)."""
+        """The id of the next record (samples and step records so far plus ``first_sample_id``)."""
         return self._samples.next_sample_id
 
     @property
@@ -170,6 +174,23 @@ class Observer:
         self._samples.update_arming()
         if step is not None:
             self._samples.close_step(step)
+
+    def record_step(self, step: int | None, tensors: Iterable[StepTensor]) -> int | None:
+        """Record the tensors of one optimizer step (parameters and what belongs to them).
+
+        Each ``StepTensor`` is reduced on its device like a sample's tensor; the step record
+        takes the next id of the samples' sequence and reaches the sink (run directory, logger
+        routing) as a ``SampleRecord`` of kind ``RecordKind.STEP``, its rows under the module
+        owning each parameter, ``tensor_path`` the parameter's name, ``call_index`` 0.
+
+        Args:
+            step: The trainer step the optimizer step belongs to (``None`` without a trainer).
+            tensors: What to measure, each with a signal of kind ``RecordKind.STEP``.
+
+        Returns:
+            The record's id; ``None`` on a rank that does not observe, or after removal.
+        """
+        return self._samples.record_step(step, tensors)
 
     def flush(self) -> None:
         """Close every open sample and wait until the sink has received all of them."""

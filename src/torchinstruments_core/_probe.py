@@ -20,6 +20,7 @@ from torchinstruments_core._failures import REDUCER_CONSEQUENCE
 from torchinstruments_core._nested import iter_tensors
 from torchinstruments_core._records import Signal
 from torchinstruments_core._sample import Sample, Site
+from torchinstruments_core._signals import fixed_root
 from torchinstruments_core._torch_private import current_graph_task_id, queue_callback
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from torchinstruments_core._failures import FailureReport
     from torchinstruments_core._layers import Layer
     from torchinstruments_core._measure import Measurement, Measurer
+
+_OUTPUT_ROOT = fixed_root(Signal.OUTPUT)
 
 
 class OutputProbe:
@@ -59,7 +62,7 @@ class OutputProbe:
     def observe(self, sample: Sample, layer: Layer, output: Any) -> None:
         """Measure each tensor of ``output`` and watch for the gradients flowing back into it."""
         call_index = sample.next_call_index(layer.name)
-        for path, tensor in iter_tensors(output):
+        for path, tensor in iter_tensors(output, _OUTPUT_ROOT):
             site = Site(layer.name, call_index, Signal.OUTPUT, path)
             sample.add(site, self._measure(tensor, site, layer.histogram))
             if tensor.requires_grad:
@@ -77,7 +80,7 @@ class OutputProbe:
         Every observed output waits for a recomputation, so no gradient hook holds the graph:
         these hooks keep it (and start the sample's backward) instead.
         """
-        for _, tensor in iter_tensors(output):
+        for _, tensor in iter_tensors(output, _OUTPUT_ROOT):
             if tensor.requires_grad:
                 slot = GradientSlot(self._on_gradient, sample, None, False, sample.sentinel)
                 sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
@@ -90,8 +93,8 @@ class OutputProbe:
         call_index = sample.recompute.match(layer.name)
         if call_index is None:
             return
-        for path, tensor in iter_tensors(output):
-            site = Site(layer.name, call_index, Signal.OUTPUT_GRADIENT, path)
+        for path, tensor in iter_tensors(output, _OUTPUT_ROOT):
+            site = gradient_signal_site(Site(layer.name, call_index, Signal.OUTPUT, path))
             if tensor.requires_grad and sample.recompute.take(site):
                 # its gradient arrives in the checkpoint's own, nested backward
                 slot = GradientSlot(self._on_gradient, sample, site, layer.histogram, None)
@@ -145,9 +148,21 @@ class OutputProbe:
         histogram: bool,
         scale: float | torch.Tensor | None = None,
     ) -> Measurement:
-        measurement = self._measurer.measure(tensor, with_histogram=histogram, scale=scale)
-        for error in measurement.errors:
-            where = f"{site.layer} call {site.call_index} {site.signal} {site.tensor_path}"
-            key = f"reducer:{type(error).__name__}"
-            self._failures.failed(f"a reducer failed on {where}", error, key, REDUCER_CONSEQUENCE)
-        return measurement
+        return measure_site(self._measurer, self._failures, tensor, site, histogram, scale)
+
+
+def measure_site(
+    measurer: Measurer,
+    failures: FailureReport,
+    tensor: torch.Tensor,
+    site: Site,
+    histogram: bool,
+    scale: float | torch.Tensor | None = None,
+) -> Measurement:
+    """Reduce ``tensor`` on its device, reporting each failing reducer with where it failed."""
+    measurement = measurer.measure(tensor, with_histogram=histogram, scale=scale)
+    for error in measurement.errors:
+        where = f"{site.layer} call {site.call_index} {site.signal} {site.tensor_path}"
+        key = f"reducer:{type(error).__name__}"
+        failures.failed(f"a reducer failed on {where}", error, key, REDUCER_CONSEQUENCE)
+    return measurement

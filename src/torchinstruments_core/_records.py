@@ -1,7 +1,8 @@
 """The records that cross from the engine to sinks: one sample, its rows and its histograms.
 
 Rows follow the long table of the design: one row per scalar, ``value`` is ``None`` exactly when
-``unavailable_reason`` is set.
+``unavailable_reason`` is set. A record is a forward sample or an optimizer step's record
+(``SampleRecord.kind``); both go through the same sinks. The signals are defined in ``_signals``.
 """
 
 from __future__ import annotations
@@ -9,12 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from torchinstruments_core._signals import RecordKind, Signal
 
-class Signal(StrEnum):
-    """What a row describes."""
-
-    OUTPUT = "output"
-    OUTPUT_GRADIENT = "output_gradient"
+__all__ = [
+    "HistogramRecord",
+    "LayerInfo",
+    "RecordKind",
+    "RunInfo",
+    "SampleRecord",
+    "Signal",
+    "StatRow",
+    "UnavailableReason",
+]
 
 
 class UnavailableReason(StrEnum):
@@ -34,7 +41,11 @@ class UnavailableReason(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class StatRow:
-    """One scalar of one tensor of one module call within a sample."""
+    """One scalar of one tensor of one module call within a sample (or of one parameter).
+
+    In a step record ``layer`` is the module owning the parameter, ``tensor_path`` the
+    parameter's name within it (``weight``) and ``call_index`` 0.
+    """
 
     layer: str
     call_index: int
@@ -65,13 +76,18 @@ class HistogramRecord:
 class SampleRecord:
     """Everything measured for one sample: a root forward and the backward through its graph.
 
+    The same record carries a *step record* (``kind`` is ``RecordKind.STEP``): the rows of one
+    optimizer step (parameters and what belongs to them), which take their ids from the same
+    sequence as the samples, so ``(run_id, rank, sample_id)`` stays a unique key.
+
     Attributes:
         run_id: Identifier of the run (per process unless the caller passed one to every rank).
         rank: Global rank of the process that took the sample.
-        sample_id: 0, 1, 2 … within the run and rank.
+        sample_id: 0, 1, 2 … within the run and rank, shared by samples and step records.
         step: The trainer step the sample belongs to, ``None`` without a trainer.
-        timestamp: Seconds since the epoch when the root forward began.
-        forward_only: No gradient reached any observed output of this sample.
+        timestamp: Seconds since the epoch when the root forward (or the step record) began.
+        forward_only: No gradient reached any observed output of this sample; always ``False``
+            for a step record.
         collection_duration_ms: Host time spent observing this sample (hooks, reductions launched,
             transfer), so the cost of telemetry is visible.
         rows: The scalars, in the order they were measured.
@@ -79,6 +95,7 @@ class SampleRecord:
         optimizer_step: The adapter's own count of optimizer steps (0, 1, 2 … since it began
             observing) when ``step`` is the user's number for that step (the Accelerate tracker
             numbers steps as ``accelerator.log(step=...)`` does); ``None`` otherwise.
+        kind: ``RecordKind.FORWARD`` for a sample, ``RecordKind.STEP`` for a step record.
     """
 
     run_id: str
@@ -91,6 +108,7 @@ class SampleRecord:
     rows: tuple[StatRow, ...]
     histograms: tuple[HistogramRecord, ...]
     optimizer_step: int | None = None
+    kind: RecordKind = RecordKind.FORWARD
 
 
 @dataclass(frozen=True, slots=True)

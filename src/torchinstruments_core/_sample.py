@@ -1,5 +1,8 @@
 """One sample: the measurements of a root forward and of the backward through its graph.
 
+A step record (the tensors of one optimizer step) is a ``Sample`` of kind ``RecordKind.STEP``:
+it is measured, transferred, built and delivered the same way.
+
 A sample gathers device-side measurements while the forward and the backward run, then closes: its
 device tensors start crossing to the host in one transfer, and once they have landed ``build``
 turns them into a ``SampleRecord`` of rows and histograms.
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING
 from torchinstruments_core._recompute import RecomputeLedger
 from torchinstruments_core._records import (
     HistogramRecord,
+    RecordKind,
     SampleRecord,
     Signal,
     StatRow,
@@ -34,7 +38,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class Site:
-    """Where a tensor was observed: module, call, signal and position in the output."""
+    """Where a tensor was observed: module, call, signal and position in the output.
+
+    For a parameter: the module owning it, call 0, its signal and its name (``weight``).
+    """
 
     layer: str
     call_index: int
@@ -51,10 +58,12 @@ class Sample:
         step: int | None,
         timestamp: float,
         gradient_scale: float | torch.Tensor | None,
+        kind: RecordKind = RecordKind.FORWARD,
     ) -> None:
         import torch
 
         self.sample_id = sample_id
+        self.kind = kind
         self.step = step
         # A forward with autograd on whose modules compute outputs without it: see _recompute.
         self.grad_enabled = torch.is_grad_enabled()
@@ -89,7 +98,7 @@ class Sample:
             if self.closed:
                 return
             self._measured.append((site, measurement))
-            if site.signal is Signal.OUTPUT_GRADIENT:
+            if site.signal.gradient_of is not None:
                 self._received.add(site)
 
     def expect_gradient(self, site: Site, metrics: tuple[str, ...]) -> None:
@@ -103,8 +112,8 @@ class Sample:
 
     @property
     def forward_only(self) -> bool:
-        """Whether no backward reached this sample."""
-        return self.backward_task is None
+        """Whether no backward reached this sample (never, for a step record)."""
+        return self.kind is RecordKind.FORWARD and self.backward_task is None
 
     def start_transfer(self) -> HostTransfer:
         """Start moving every device value of this sample to the host."""
@@ -143,6 +152,7 @@ class Sample:
             collection_duration_ms=self.duration_s * 1000.0,
             rows=tuple(rows),
             histograms=tuple(histograms),
+            kind=self.kind,
         )
 
     def _missing_gradient_rows(self) -> Iterator[StatRow]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from torch.profiler import ProfilerActivity, profile
 
+from torchinstruments_core._signals import tensor_root_of
 from torchinstruments_core._torch_private import memory_events
 
 if TYPE_CHECKING:
@@ -65,13 +66,17 @@ class RecordingSink:
         *,
         sample_id: int | None = None,
         call_index: int = 0,
-        tensor_path: str = "output",
+        tensor_path: str | None = None,
     ) -> float | None:
         """The value of one metric; from the last sample unless ``sample_id`` is given.
+
+        ``tensor_path`` defaults to the signal's whole tensor (``output`` for the output and its
+        gradient); a parameter's signal needs the parameter's name (``weight``).
 
         Raises:
             KeyError: No such row.
         """
+        tensor_path = tensor_path or tensor_root_of(signal)
         samples = (
             self.samples
             if sample_id is None

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from torchinstruments_core._signals import RecordKind, tensor_root_of
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from torchinstruments_core._records import HistogramRecord
+    from torchinstruments_core._records import HistogramRecord, SampleRecord
 
 
 @runtime_checkable
@@ -28,15 +30,41 @@ class Target(Protocol):
 def tensor_key(layer: str, call_index: int, signal: str, tensor_path: str) -> str:
     """``<layer>/<signal>``, plus ``/call_<k>`` and ``/<tensor_path>`` where not the default.
 
+    The default path is the signal's whole tensor (its ``tensor_root``: ``output`` for
+    ``output`` and ``output_gradient``); a parameter's signal always names the parameter.
+
     Example:
         >>> tensor_key("encoder.0", 0, "output", "output")
         'encoder.0/output'
         >>> tensor_key("attn", 1, "output_gradient", "output.0")
         'attn/output_gradient/call_1/output.0'
+        >>> tensor_key("encoder.0", 0, "parameter", "weight")
+        'encoder.0/parameter/weight'
     """
     key = f"{layer}/{signal}"
     if call_index:
         key += f"/call_{call_index}"
-    if tensor_path != "output":
+    if tensor_path != tensor_root_of(signal):
         key += f"/{tensor_path}"
     return key
+
+
+def summary_scalars(record: SampleRecord, prefix: str) -> dict[str, float]:
+    """The two summaries of a record: how many tensors held NaN or Inf, and its collection time.
+
+    A sample's are ``<prefix>/nonfinite_tensors`` and ``<prefix>/collection_duration_ms``; a
+    step record's ``<prefix>/step/nonfinite_tensors`` and ``<prefix>/step/…``, so that the two
+    records of one trainer step never overwrite each other's.
+
+    Example:
+        >>> from torchinstruments_core import RecordKind, SampleRecord
+        >>> record = SampleRecord("r", 0, 3, 7, 0.0, False, 1.5, (), (), kind=RecordKind.STEP)
+        >>> summary_scalars(record, "telemetry")
+        {'telemetry/step/nonfinite_tensors': 0.0, 'telemetry/step/collection_duration_ms': 1.5}
+    """
+    scope = prefix if record.kind is RecordKind.FORWARD else f"{prefix}/{record.kind}"
+    nonfinite = sum(1 for r in record.rows if r.metric == "nonfinite_fraction" and r.value)
+    return {
+        f"{scope}/nonfinite_tensors": float(nonfinite),
+        f"{scope}/collection_duration_ms": record.collection_duration_ms,
+    }

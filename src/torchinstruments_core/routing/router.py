@@ -5,6 +5,10 @@ Keys follow ``<prefix>/<layer>/<signal>/<metric>`` (a call other than the first 
 focus tensor is ``<prefix>/<layer>/<signal>/histogram``. Two summaries per sample:
 ``<prefix>/nonfinite_tensors`` (how many observed tensors held NaN or Inf, over all layers) and
 ``<prefix>/collection_duration_ms``. The step is the trainer's step, else the sample id.
+
+A step record (the rows of an optimizer step) goes the same way: its rows' keys name the
+parameter (``<prefix>/<layer>/parameter/weight/rms``) and its summaries are
+``<prefix>/step/nonfinite_tensors`` and ``<prefix>/step/collection_duration_ms``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import fnmatch
 from typing import TYPE_CHECKING
 
 from torchinstruments_core._exceptions import ConfigurationError, raise_collected
-from torchinstruments_core.routing.base import tensor_key
+from torchinstruments_core._signals import RecordKind, Signal, fixed_root, routed_by_default
+from torchinstruments_core.routing.base import summary_scalars, tensor_key
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -35,6 +40,8 @@ class LoggerRouter:
         scalar_layers: ``"focus"`` (default: the histogram layers, at most 8), ``"all"``, or glob
             patterns of layer names.
         histograms: Also log the focus layers' histograms (to targets that take them).
+        signals: Names of the signals routed (default: those whose definition in ``Signal``
+            says routed, today all of them).
     """
 
     def __init__(
@@ -45,6 +52,7 @@ class LoggerRouter:
         scalar_metrics: Sequence[str] = DEFAULT_SCALAR_METRICS,
         scalar_layers: str | Sequence[str] = "focus",
         histograms: bool = True,
+        signals: Sequence[str] | None = None,
     ) -> None:
         if isinstance(scalar_metrics, str):
             raise ConfigurationError.invalid("scalar_metrics", scalar_metrics, "a list of names")
@@ -57,6 +65,7 @@ class LoggerRouter:
         self.scalar_metrics = frozenset(scalar_metrics)
         self.scalar_layers = scalar_layers
         self.histograms = histograms
+        self.signals = _signals(signals)
         self._layers: frozenset[str] = frozenset()
 
     def open(self, run: RunInfo) -> None:
@@ -97,37 +106,51 @@ class LoggerRouter:
         """Nothing to do: the targets belong to the trainer, which closes them."""
 
     def scalar_keys(self, run: RunInfo) -> list[str]:
-        """The scalar keys a first call of every tensor's module produces (for documentation)."""
+        """The scalar keys a sample's first call of every module's whole tensor produces.
+
+        For documentation: step records, whose keys name each parameter, are not listed.
+        """
         self.open(run)
         keys = [f"{self.prefix}/nonfinite_tensors", f"{self.prefix}/collection_duration_ms"]
+        whole = [s for s in self.signals if s.kind is RecordKind.FORWARD and s.tensor_root]
         for layer in run.layers:
             if layer.name in self._layers:
-                for signal in ("output", "output_gradient"):
-                    base = f"{self.prefix}/{tensor_key(layer.name, 0, signal, 'output')}"
-                    keys += [f"{base}/{m}" for m in run.metrics if m in self.scalar_metrics]
+                for signal in whole:
+                    key = tensor_key(layer.name, 0, signal, fixed_root(signal))
+                    keys += [
+                        f"{self.prefix}/{key}/{m}" for m in run.metrics if m in self.scalar_metrics
+                    ]
         return keys
 
     def _scalars(self, sample: SampleRecord) -> dict[str, float]:
         scalars: dict[str, float] = {}
-        nonfinite = 0
         for row in sample.rows:
-            if row.metric == "nonfinite_fraction" and row.value:
-                nonfinite += 1
             routed = row.metric in self.scalar_metrics and row.layer in self._layers
-            if routed and row.value is not None:
+            if routed and row.value is not None and row.signal in self.signals:
                 scalars[f"{self.prefix}/{_key(row)}/{row.metric}"] = row.value
-        scalars[f"{self.prefix}/nonfinite_tensors"] = float(nonfinite)
-        scalars[f"{self.prefix}/collection_duration_ms"] = sample.collection_duration_ms
-        return scalars
+        return scalars | summary_scalars(sample, self.prefix)
 
     def _histograms(self, records: Sequence[HistogramRecord]) -> dict[str, HistogramRecord]:
-        return {f"{self.prefix}/{_key(record)}/histogram": record for record in records}
+        return {
+            f"{self.prefix}/{_key(record)}/histogram": record
+            for record in records
+            if record.signal in self.signals
+        }
 
     def __repr__(self) -> str:
         if callable(self._targets):
             return f"LoggerRouter(<looked up at each write>, prefix={self.prefix!r})"
         names = ", ".join(type(t).__name__ for t in self._targets)
         return f"LoggerRouter([{names}], prefix={self.prefix!r})"
+
+
+def _signals(signals: Sequence[str] | None) -> tuple[Signal, ...]:
+    if signals is None:
+        return routed_by_default()
+    known = {signal.value: signal for signal in Signal}
+    if isinstance(signals, str) or any(s not in known for s in signals):
+        raise ConfigurationError.invalid("signals", signals, f"a list of names among {list(known)}")
+    return tuple(known[s] for s in signals)
 
 
 def _key(item: StatRow | HistogramRecord) -> str:

@@ -9,6 +9,7 @@ from torchinstruments_core.run_directory._folders import (
 )
 from torchinstruments_core.run_directory._index import QUERIES, QUERY_PRELUDE
 from torchinstruments_core.run_directory._layout import RunLayout, existing_run, next_free_folder
+from torchinstruments_core.run_directory._read import scan_samples
 from torchinstruments_core.run_directory._repair import repair
 from torchinstruments_core.run_directory._state import RunState, RunStatus, inspect_run
 from torchinstruments_core.run_directory._summary import summarize_run
@@ -35,5 +36,6 @@ __all__ = [
     "resumed_folder",
     "safe_name",
     "samples_schema",
+    "scan_samples",
     "summarize_run",
 ]

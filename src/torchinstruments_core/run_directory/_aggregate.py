@@ -28,6 +28,8 @@ from array import array
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from torchinstruments_core._signals import RecordKind
+
 if TYPE_CHECKING:
     from torchinstruments_core._records import SampleRecord
 
@@ -137,11 +139,19 @@ class RunAggregates:
         self.forward_only = 0
         self.duration_ms = 0.0
         self.durations = MetricAggregate()
+        self.step_records = 0
+        self.step_duration_ms = 0.0
         self._rng = random.Random(seed)
 
     def add(self, sample: SampleRecord) -> None:
-        """Fold in every row of ``sample``."""
-        self.add_sample(forward_only=sample.forward_only, duration_ms=sample.collection_duration_ms)
+        """Fold in every row of ``sample``; a step record is counted apart from the samples."""
+        if sample.kind is RecordKind.STEP:
+            self.step_records += 1
+            self.step_duration_ms += sample.collection_duration_ms
+        else:
+            self.add_sample(
+                forward_only=sample.forward_only, duration_ms=sample.collection_duration_ms
+            )
         for row in sample.rows:
             key = (row.layer, row.call_index, row.signal.value, row.tensor_path, row.metric)
             self.add_value(key, row.value, row.unavailable_reason)
@@ -152,6 +162,13 @@ class RunAggregates:
         self.forward_only += int(forward_only)
         self.duration_ms += duration_ms
         self.durations.add(duration_ms, None, self._rng)
+
+    def step_record_summary(self) -> dict[str, Any]:
+        """Totals over the step records: count and collection time."""
+        return {
+            "count": self.step_records,
+            "collection_duration_ms": {"total": self.step_duration_ms},
+        }
 
     def add_value(self, key: Key, value: float | None, reason: str | None) -> None:
         """Fold in one row: ``key`` is (layer, call_index, signal, tensor_path, metric)."""

@@ -13,6 +13,11 @@ from typing import TYPE_CHECKING, Any
 from torchinstruments_core._records import UnavailableReason
 from torchinstruments_core.run_directory._atomic import atomic_write_text
 from torchinstruments_core.run_directory._escape import escape_text, markdown_cell, markdown_code
+from torchinstruments_core.run_directory._signal_docs import (
+    signal_meaning,
+    signals_section,
+    tensor_path_meaning,
+)
 from torchinstruments_core.run_directory._tables import history_schema, samples_schema
 
 if TYPE_CHECKING:
@@ -24,15 +29,14 @@ if TYPE_CHECKING:
 _MEANINGS = {
     "run_id": "which run",
     "rank": "which process (global rank)",
-    "sample_id": "0, 1, 2 … within the run and rank",
-    "step": "the trainer step of the sample (null without a trainer)",
-    "optimizer_step": "the adapter's own count of optimizer steps, where `step` follows the "
-    "user's logged numbering instead (Accelerate); null otherwise",
-    "timestamp": "when the sample's root forward began (UTC)",
+    "sample_id": "the record (a sample or a step record, see Signals): 0, 1, 2 … within the run "
+    "and rank",
+    "step": "the trainer step of the record (null without a trainer)",
+    "timestamp": "when the sample's root forward (or the step record) began (UTC)",
     "layer": "the module's name in the model, wrapper prefixes removed; `<root>` is the model",
     "call_index": "which call of the module within the sample (0 for the first)",
-    "signal": "`output` or `output_gradient` (the gradient flowing back into that output)",
-    "tensor_path": "where the tensor sits in the output: `output`, `output.0`, `output.logits`",
+    "signal": signal_meaning(),
+    "tensor_path": tensor_path_meaning(),
     "metric": "the statistic (see Metrics)",
     "value": "the statistic's value; null exactly when `unavailable_reason` is set",
     "unavailable_reason": "why there is no value: " + ", ".join(UnavailableReason),
@@ -41,8 +45,8 @@ _MEANINGS = {
 _SAMPLE_MEANINGS = {
     "run_id": "which run",
     "rank": "which process (global rank)",
-    "sample_id": "the sample, as in history.parquet",
-    "step": "the trainer step of the sample (null without a trainer)",
+    "sample_id": "the sample or step record, as in history.parquet",
+    "step": "the trainer step of the record (null without a trainer)",
     "optimizer_step": "the adapter's own count of optimizer steps, where `step` follows the "
     "user's logged numbering instead (Accelerate); null otherwise",
     "timestamp": "when the sample's root forward began (UTC)",
@@ -50,6 +54,8 @@ _SAMPLE_MEANINGS = {
     "collection_duration_ms": "host time spent observing the sample; the first sample also pays "
     "one-time warm-up, so quote the median (result.json `samples.collection_duration_ms`)",
     "rows": "how many rows of history.parquet the sample has",
+    "kind": "`forward` for a sample (a root forward and its backward), `step` for a step record "
+    "(rows of one optimizer step: see Signals)",
 }
 
 _STATUSES = """\
@@ -105,19 +111,29 @@ outliers = (
 print(outliers)""",
     ),
     (
-        "Gradient rms per layer in the last sample",
+        "Gradient rms per layer in the last sample with a backward",
         """\
-last = history.select(pl.col("sample_id").max()).collect().item()
+gradient_rms = history.filter(
+    (pl.col("signal") == "output_gradient") & (pl.col("metric") == "rms")
+)
+last = gradient_rms.select(pl.col("sample_id").max()).collect().item()
 gradients = (
-    history.filter(
-        (pl.col("sample_id") == last)
-        & (pl.col("signal") == "output_gradient")
-        & (pl.col("metric") == "rms")
-    )
+    gradient_rms.filter(pl.col("sample_id") == last)
     .select("layer", "call_index", "tensor_path", "value")
     .collect()
 )
 print(gradients)""",
+    ),
+    (
+        "Records of each kind: forward samples and optimizer-step records",
+        """\
+kinds = (
+    pl.scan_parquet("samples.parquet")
+    .group_by("kind")
+    .agg(records=pl.len(), first_id=pl.col("sample_id").min(), last_id=pl.col("sample_id").max())
+    .collect()
+)
+print(kinds)""",
     ),
     (
         "Values that could not be computed, and why",
@@ -157,7 +173,7 @@ def render_index(
     """The text of ``index.md``. Every name from the model or the user is escaped."""
     header = _header(run, status) + _totals(aggregates) + _lost(lost)
     parts = [header, "## Status\n\n" + _STATUSES, _files(), _schema(), _samples_schema()]
-    parts += ["## Metrics\n\n" + _METRICS, _catalog(run), _queries()]
+    parts += [signals_section(), "## Metrics\n\n" + _METRICS, _catalog(run), _queries()]
     return "\n\n".join(parts) + "\n"
 
 
@@ -211,7 +227,7 @@ def _files() -> str:
 | file | what it holds |
 |---|---|
 | `history.parquet` | the long table: one row per scalar (schema below) |
-| `samples.parquet` | one row per sample (schema below) |
+| `samples.parquet` | a row per record, a `forward` sample or a `step` record (schema below) |
 | `history.parts/` | the same data in immutable chunks while the run is going (removed at the end) |
 | `result.json` | aggregates per layer, call, signal, tensor and metric over the whole run |
 | `tensorboard/` | focus histograms (left out when a trainer's TensorBoard logger takes them) |"""

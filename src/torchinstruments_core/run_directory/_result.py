@@ -9,6 +9,9 @@ never reached the history, with the distinct reasons (``{"samples": 0, "rows": 0
 []}`` when nothing was lost); after a crash the samples that were still in memory are unknown,
 so a recovered run says ``null`` for the counts. The aggregates describe exactly the rows of
 ``history.parquet``.
+``samples`` totals the forward samples, ``step_records`` the optimizer steps' records, and
+``signals`` says which kind each signal's rows belong to (a step record's measurements are under
+the module owning the parameter, with ``tensor_path`` the parameter's name).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchinstruments_core.run_directory._aggregate import Key, MetricAggregate, RunAggregates
 from torchinstruments_core.run_directory._atomic import atomic_write_text
+from torchinstruments_core.run_directory._signal_docs import signal_entries
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -46,9 +50,14 @@ def write_result(
         "sampling_policy": run.sampling_policy,
         "metrics": list(run.metrics),
         "samples": aggregates.sample_summary() if aggregates else RunAggregates().sample_summary(),
+        **_records(aggregates or RunAggregates()),
         "layers": _layers(run, aggregates.metrics if aggregates else {}),
     }
     atomic_write_text(path, json.dumps(_finite(document), indent=2, allow_nan=False) + "\n")
+
+
+def _records(aggregates: RunAggregates) -> dict[str, Any]:
+    return {"step_records": aggregates.step_record_summary(), "signals": signal_entries()}
 
 
 def _layers(run: RunInfo, metrics: dict[Key, MetricAggregate]) -> list[dict[str, Any]]:

@@ -5,10 +5,28 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from torchinstruments_core._signals import RecordKind, Signal, tensor_root_of
+from torchinstruments_core.run_directory._read import scan_samples
+
 if TYPE_CHECKING:
     from pathlib import Path
 
-_COLUMNS = ("output std", "max_abs/rms", "grad rms", "non-finite")
+# The signals with a summary label, in definition order: a value signal shows its mean std and
+# the outlier ratio, a gradient its mean rms; ``non-finite`` covers them all.
+_SHOWN = tuple(signal for signal in Signal if signal.spec.summary_label)
+
+
+def _headers() -> tuple[str, ...]:
+    headers: list[str] = []
+    for signal in _SHOWN:
+        if signal.gradient_of is None:
+            headers += [f"{signal.spec.summary_label} std", "max_abs/rms"]
+        else:
+            headers.append(f"{signal.spec.summary_label} rms")
+    return (*headers, "non-finite")
+
+
+_COLUMNS = _headers()
 
 
 def summarize_run(folder: Path, *, max_layers: int = 40) -> str:
@@ -49,24 +67,26 @@ def _row(layer: dict[str, Any], widths: tuple[int, int]) -> str:
     first = {
         m["signal"]: m["metrics"]
         for m in layer["measurements"]
-        if m["call_index"] == 0 and m["tensor_path"] == "output"
+        if m["call_index"] == 0 and m["tensor_path"] == tensor_root_of(m["signal"])
     }
-    out, grad = first.get("output", {}), first.get("output_gradient", {})
-    mean = {name: stats.get("mean") for name, stats in out.items()}
-    ratio = (
-        mean["max_abs"] / mean["rms"]
-        if mean.get("max_abs") is not None and mean.get("rms")
-        else None
-    )
-    worst = [s.get("nonfinite_fraction", {}).get("max") for s in (out, grad)]
-    cells = (
-        mean.get("std"),
-        ratio,
-        grad.get("rms", {}).get("mean"),
-        max((w for w in worst if w is not None), default=None),
-    )
+    cells: list[float | None] = []
+    worst: list[float | None] = []
+    for signal in _SHOWN:
+        metrics = first.get(signal.value, {})
+        mean = {name: stats.get("mean") for name, stats in metrics.items()}
+        if signal.gradient_of is None:
+            cells += [mean.get("std"), _ratio(mean)]
+        else:
+            cells.append(mean.get("rms"))
+        worst.append(metrics.get("nonfinite_fraction", {}).get("max"))
+    cells.append(max((w for w in worst if w is not None), default=None))
     name, kind = layer["name"], layer["type"]
     return f"{name:<{widths[0]}}{kind:<{widths[1]}}" + "".join(_cell(c) for c in cells)
+
+
+def _ratio(mean: dict[str, float | None]) -> float | None:
+    max_abs, rms = mean.get("max_abs"), mean.get("rms")
+    return max_abs / rms if max_abs is not None and rms else None
 
 
 def _cell(value: float | None) -> str:
@@ -89,6 +109,15 @@ def _first_nonfinite(folder: Path) -> str:
     row = first.row(0, named=True)
     step = f" (step {row['step']})" if row["step"] is not None else ""
     return (
-        f"first non-finite values: sample {row['sample_id']}{step}, "
+        f"first non-finite values: {_record(folder, row['sample_id'])} {row['sample_id']}{step}, "
         f"layer {row['layer']!r}, {row['signal']}"
     )
+
+
+def _record(folder: Path, record_id: int) -> str:
+    """``sample`` or ``step record``, as samples.parquet says (a run without kinds: sample)."""
+    import polars as pl
+
+    kinds = scan_samples(folder).filter(pl.col("sample_id") == record_id).select("kind").collect()
+    kind = kinds.item(0, 0) if kinds.height else RecordKind.FORWARD.value
+    return "step record" if kind == RecordKind.STEP else "sample"

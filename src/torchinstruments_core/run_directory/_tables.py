@@ -44,12 +44,15 @@ def history_schema() -> pl.Schema:
 def samples_schema() -> pl.Schema:
     """The dtype of every column of ``samples.parquet``.
 
-    ``optimizer_step`` is an adapter's own count of optimizer steps where ``step`` follows the
-    user's numbering (``SampleRecord.optimizer_step``), null otherwise.
+    ``kind`` is ``"forward"`` for a sample and ``"step"`` for a step record (``RecordKind``; a run
+    written before the column existed holds samples only). ``optimizer_step`` is an adapter's own
+    count of optimizer steps where ``step`` follows the user's numbering
+    (``SampleRecord.optimizer_step``), null otherwise.
     """
     import polars as pl
 
     columns = _sample_columns() | {
+        "kind": pl.String(),
         "optimizer_step": pl.Int64(),
         "forward_only": pl.Boolean(),
         "collection_duration_ms": pl.Float64(),
@@ -80,13 +83,14 @@ def history_frame(samples: Sequence[SampleRecord]) -> pl.DataFrame:
 
 
 def samples_frame(samples: Sequence[SampleRecord]) -> pl.DataFrame:
-    """One row per sample."""
+    """One row per record (sample or step record)."""
     columns: dict[str, list[object]] = {
         "run_id": [s.run_id for s in samples],
         "rank": [s.rank for s in samples],
         "sample_id": [s.sample_id for s in samples],
         "step": [s.step for s in samples],
         "timestamp": [int(s.timestamp * 1_000_000) for s in samples],
+        "kind": [s.kind.value for s in samples],
         "optimizer_step": [s.optimizer_step for s in samples],
         "forward_only": [s.forward_only for s in samples],
         "collection_duration_ms": [s.collection_duration_ms for s in samples],

@@ -7,7 +7,8 @@ the signal, a tensor inside a nested output its path: ``telemetry/encoder.0/outp
 histogram``); scalars ``telemetry/<layer>/<signal>/<metric>`` for ``DEFAULT_SCALAR_METRICS``
 (``rms``, ``max_abs``, ``nonfinite_fraction``) of the focus layers, ``telemetry/nonfinite_tensors``
 and ``telemetry/collection_duration_ms``. The step is the trainer's step when there is one, else
-the sample id.
+the sample id. A step record's rows follow the same rules (``telemetry/<layer>/parameter/weight/
+rms``); its summaries are ``telemetry/step/nonfinite_tensors`` and ``…/collection_duration_ms``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchinstruments_core._exceptions import MissingDependencyError
+from torchinstruments_core._signals import routed_by_default
 from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS, SummaryWriterTarget, tensor_key
+from torchinstruments_core.routing.base import summary_scalars
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -36,16 +39,20 @@ class TensorBoardHistograms:
 
     def __call__(self, sample: SampleRecord) -> None:
         """Write the histograms and scalars of one sample."""
-        histograms = {f"{PREFIX}/{_key(h)}/histogram": h for h in sample.histograms}
+        signals = routed_by_default()
+        histograms = {
+            f"{PREFIX}/{_key(h)}/histogram": h for h in sample.histograms if h.signal in signals
+        }
         focus = {h.layer for h in sample.histograms}
         scalars = {
             f"{PREFIX}/{_key(row)}/{row.metric}": row.value
             for row in sample.rows
-            if row.layer in focus and row.metric in DEFAULT_SCALAR_METRICS and row.value is not None
+            if row.layer in focus
+            and row.metric in DEFAULT_SCALAR_METRICS
+            and row.value is not None
+            and row.signal in signals
         }
-        nonfinite = [row for row in sample.rows if row.metric == "nonfinite_fraction" and row.value]
-        scalars[f"{PREFIX}/nonfinite_tensors"] = float(len(nonfinite))
-        scalars[f"{PREFIX}/collection_duration_ms"] = sample.collection_duration_ms
+        scalars |= summary_scalars(sample, PREFIX)
         step = sample.step if sample.step is not None else sample.sample_id
         self._open().log(scalars, histograms, step)
 

@@ -1,0 +1,156 @@
+"""The signals, each defined once: what a row describes, and everything that follows from it.
+
+A signal is data. Routing (which signals reach the trainer's loggers by default, and their keys),
+the end-of-run summary's columns, ``index.md``'s signal table, ``result.json``'s signal catalog
+and the tensor keys read this definition instead of spelling signal names out. Adding a signal is
+one member of ``Signal`` plus the code that produces its rows.
+
+Example:
+    >>> Signal.OUTPUT_GRADIENT.gradient_of, Signal.OUTPUT_GRADIENT.tensor_root
+    (<Signal.OUTPUT: 'output'>, 'output')
+    >>> Signal.PARAMETER.kind, Signal.PARAMETER.tensor_root is None
+    (<RecordKind.STEP: 'step'>, True)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class RecordKind(StrEnum):
+    """Which record a row belongs to; ``samples.parquet``'s ``kind`` column holds it.
+
+    ``FORWARD``: a sample, one root forward and the backward through its graph. ``STEP``: a step
+    record, one sampled optimizer step. Both take their ids from the same sequence.
+    """
+
+    FORWARD = "forward"
+    STEP = "step"
+
+
+@dataclass(frozen=True, slots=True)
+class SignalSpec:
+    """What is known about a signal besides its name.
+
+    Attributes:
+        describes: One sentence saying what the tensor is (``index.md`` shows it).
+        kind: The record its rows belong to.
+        tensor_root: The first part of every ``tensor_path`` of the signal (``output`` for
+            ``output``, ``output.0``, ``output.logits``); ``None`` where the path is the name of a
+            parameter within its module (``weight``).
+        gradient_of: The value of the signal this one is the gradient of; ``None`` for values.
+        routed: Whether ``LoggerRouter`` routes it unless told which signals to route.
+        summary_label: Its short name in the columns of ``summarize_run``; ``None``: not shown.
+    """
+
+    describes: str
+    kind: RecordKind = RecordKind.FORWARD
+    tensor_root: str | None = None
+    gradient_of: str | None = None
+    routed: bool = True
+    summary_label: str | None = None
+
+
+class Signal(StrEnum):
+    """What a row describes; the value is what the ``signal`` column holds (never renamed)."""
+
+    _value_: str
+    spec: SignalSpec
+
+    # ``Signal("output")`` looks a member up and never reaches ``__new__``: only the member
+    # definitions below pass a spec.
+    def __new__(cls, value: str, spec: SignalSpec | None = None) -> Signal:
+        if spec is None:
+            raise TypeError(f"the signal {value!r} needs a SignalSpec")
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.spec = spec
+        return member
+
+    OUTPUT = (
+        "output",
+        SignalSpec(
+            "The tensors a module's forward returned.",
+            tensor_root="output",
+            summary_label="output",
+        ),
+    )
+    OUTPUT_GRADIENT = (
+        "output_gradient",
+        SignalSpec(
+            "The gradient flowing back into a module's output in the backward, unscaled under "
+            "fp16 loss scaling.",
+            tensor_root="output",
+            gradient_of="output",
+            summary_label="grad",
+        ),
+    )
+    PARAMETER = (
+        "parameter",
+        SignalSpec(
+            "A parameter of the module, as the optimizer step found it.",
+            kind=RecordKind.STEP,
+        ),
+    )
+
+    @property
+    def kind(self) -> RecordKind:
+        """The record its rows belong to."""
+        return self.spec.kind
+
+    @property
+    def describes(self) -> str:
+        """One sentence saying what the tensor is."""
+        return self.spec.describes
+
+    @property
+    def tensor_root(self) -> str | None:
+        """The first part of its tensor paths; ``None``: the path is a parameter's name."""
+        return self.spec.tensor_root
+
+    @property
+    def gradient_of(self) -> Signal | None:
+        """The signal this one is the gradient of, if any."""
+        return None if self.spec.gradient_of is None else Signal(self.spec.gradient_of)
+
+    @property
+    def gradient(self) -> Signal | None:
+        """The signal that is this one's gradient, if one is defined."""
+        return _gradients().get(self)
+
+
+@functools.cache
+def _gradients() -> dict[Signal, Signal]:
+    # looked up for every observed output of a sampled forward: built once
+    return {Signal(s.spec.gradient_of): s for s in Signal if s.spec.gradient_of is not None}
+
+
+def signals_of(kind: RecordKind) -> tuple[Signal, ...]:
+    """The signals whose rows belong to records of ``kind``, in definition order."""
+    return tuple(signal for signal in Signal if signal.kind is kind)
+
+
+def routed_by_default() -> tuple[Signal, ...]:
+    """The signals ``LoggerRouter`` routes unless told which."""
+    return tuple(signal for signal in Signal if signal.spec.routed)
+
+
+def fixed_root(signal: Signal) -> str:
+    """The tensor-path root of a signal measured on module tensors (outputs, inputs).
+
+    Raises:
+        ValueError: The signal's paths are parameter names, with no common root.
+    """
+    if signal.tensor_root is None:
+        raise ValueError(f"the tensor paths of {signal} are parameter names, with no root")
+    return signal.tensor_root
+
+
+def tensor_root_of(signal: str) -> str | None:
+    """The tensor-path root of ``signal``; ``None`` for a parameter's signal or an unknown name."""
+    try:
+        return Signal(signal).tensor_root
+    except ValueError:
+        return None

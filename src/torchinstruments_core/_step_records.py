@@ -1,0 +1,87 @@
+"""Step records: the rows of one optimizer step, beside the per-forward samples.
+
+A step record holds what belongs to an optimizer step rather than to a forward: a parameter, its
+gradient, its update, the optimizer's state (signals of kind ``RecordKind.STEP``). Its rows sit in
+the same long table: ``layer`` is the module owning the parameter, ``tensor_path`` the parameter's
+name within it (``weight``), ``call_index`` 0. It takes its id from the samples' sequence, so
+``(run_id, rank, sample_id)`` stays a unique key, and ``samples.parquet`` says ``kind="step"``.
+
+It is a ``Sample`` of kind ``STEP``: measured on the tensors' devices, moved to the host in one
+transfer, and delivered through the same queue and sink as the samples (see ``_delivery``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torchinstruments_core._exceptions import ConfigurationError
+from torchinstruments_core._probe import measure_site
+from torchinstruments_core._sample import Sample, Site
+from torchinstruments_core._signals import RecordKind, Signal, signals_of
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import torch
+
+    from torchinstruments_core._failures import FailureReport
+    from torchinstruments_core._measure import Measurer
+
+
+@dataclass(frozen=True, slots=True)
+class StepTensor:
+    """One tensor of an optimizer step to measure into its step record.
+
+    Attributes:
+        layer: The clean name of the module owning the parameter (``encoder.0``).
+        signal: A signal of kind ``RecordKind.STEP`` (``Signal.PARAMETER``).
+        name: The parameter's name within its module (``weight``): the row's ``tensor_path``.
+        tensor: The tensor, on any device; it is only read.
+        histogram: Also compute its histogram.
+
+    Raises:
+        ConfigurationError: ``signal`` belongs to forward samples.
+    """
+
+    layer: str
+    signal: Signal
+    name: str
+    tensor: torch.Tensor
+    histogram: bool = False
+
+    def __post_init__(self) -> None:
+        if Signal(self.signal).kind is not RecordKind.STEP:
+            choices = [s.value for s in signals_of(RecordKind.STEP)]
+            raise ConfigurationError.invalid("signal", str(self.signal), choices)
+
+
+class StepRecorder:
+    """Measures the tensors of one optimizer step into a step record, on their devices.
+
+    Args:
+        measurer: Reduces each tensor, as it does the samples' tensors.
+        failures: Where a failing reducer is reported.
+    """
+
+    __slots__ = ("_failures", "_measurer")
+
+    def __init__(self, measurer: Measurer, failures: FailureReport) -> None:
+        self._measurer = measurer
+        self._failures = failures
+
+    def open(self, record_id: int, step: int | None) -> Sample:
+        """A new, empty step record with id ``record_id`` for trainer step ``step``."""
+        return Sample(record_id, step, time.time(), None, kind=RecordKind.STEP)
+
+    def measure(self, record: Sample, tensors: Iterable[StepTensor]) -> None:
+        """Reduce each tensor into ``record`` (its values stay on the device until delivery)."""
+        started = time.perf_counter()
+        for item in tensors:
+            site = Site(item.layer, 0, item.signal, item.name)
+            measurement = measure_site(
+                self._measurer, self._failures, item.tensor, site, item.histogram
+            )
+            record.add(site, measurement)
+        record.duration_s += time.perf_counter() - started
