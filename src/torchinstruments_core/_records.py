@@ -1,7 +1,7 @@
 """The records that cross from the engine to sinks: one sample, its rows and its histograms.
 
-Rows follow the long table of the design: one row per scalar, ``value`` is ``None`` exactly when
-``unavailable_reason`` is set.
+Rows form one long table (``history.parquet``): one row per scalar, ``value`` is ``None``
+exactly when ``unavailable_reason`` is set.
 """
 
 from __future__ import annotations
