@@ -134,7 +134,7 @@ class PyPIInstrument:
             model,
             sampler=sampler,
             selector=ti.leaf_modules(),
-            max_histogram_modules=8,
+            max_focus_layers=8,
             output_dir=folder / "stats",
         )
         self._model = model

@@ -350,7 +350,7 @@ def test_bad_arguments_raise_naming_the_argument() -> None:
     with pytest.raises(ConfigurationError, match="scalar_layers='first'"):
         TelemetryTracker(scalar_layers="first")
     with pytest.raises(ConfigurationError, match="run_name=50"):
-        TelemetryTracker(50)  # type: ignore[arg-type]
+        TelemetryTracker(50)
     with pytest.raises(ConfigurationError, match="rank_policy='all' needs a tracker on every"):
         TelemetryTracker("exp", "runs", rank_policy="all")
     with pytest.raises(ConfigurationError, match="model='Tensor'"):

@@ -192,7 +192,7 @@ def test_checkpoint_around_the_observed_root(use_reentrant: bool) -> None:
     with inject_observer(model, sampler=AlwaysSampler(), sink=sink) as observer:
         out = checkpoint.checkpoint(model, x, use_reentrant=use_reentrant)
         out.sum().backward()
-        assert observer.samples_taken == 1
+        assert observer.next_sample_id == 1
     assert len(sink.samples) == 1
     observed = rows_of(sink)
     assert len(observed) == len(set(observed))

@@ -25,8 +25,8 @@ def cnn(blocks: int = 4) -> nn.Sequential:
 
 
 def focus(model: nn.Module, wanted: int = 8) -> list[nn.Module]:
-    with inject_observer(model, sink=RecordingSink(), max_histogram_modules=wanted) as observer:
-        names = observer.histogram_layer_names
+    with inject_observer(model, sink=RecordingSink(), max_focus_layers=wanted) as observer:
+        names = observer.focus_layer_names
     modules = dict(model.named_modules())
     return [modules[name] for name in names]
 
@@ -103,12 +103,12 @@ def test_tiny_gpt2_focus_is_linear_conv1d_layernorm_or_embedding() -> None:
     assert all(isinstance(m, (nn.Linear, Conv1D, nn.LayerNorm, nn.Embedding)) for m in chosen)
 
 
-def test_histogram_selector_still_decides_when_given() -> None:
-    """A histogram_selector overrides the default rule, even picking parameter-free modules."""
+def test_focus_selector_still_decides_when_given() -> None:
+    """A focus_selector overrides the default rule, even picking parameter-free modules."""
     model = cnn()
     with inject_observer(
         model,
         sink=RecordingSink(),
-        histogram_selector=lambda name, module: isinstance(module, nn.Flatten),
+        focus_selector=lambda name, module: isinstance(module, nn.Flatten),
     ) as observer:
-        assert observer.histogram_layer_names == ("14",)
+        assert observer.focus_layer_names == ("14",)

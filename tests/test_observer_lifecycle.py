@@ -120,7 +120,7 @@ def test_exclusive_arguments_name_both(kwargs: dict[str, object], names: tuple[s
     [
         ({"rank_policy": "rank1"}, r"rank_policy='rank1' is not valid; expected 'rank0', 'all'"),
         ({"error_policy": "ignore"}, r"error_policy='ignore' is not valid; expected 'warn'"),
-        ({"max_histogram_modules": -1}, r"max_histogram_modules=-1"),
+        ({"max_focus_layers": -1}, r"max_focus_layers=-1"),
         ({"histogram_bins": 0}, r"histogram_bins=0"),
         ({"interval": 0}, r"interval=0"),
         ({"selector": by_name("nothing.*")}, r"selects no module"),
@@ -233,8 +233,8 @@ def test_observer_reports_layers_and_focus() -> None:
     model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(20)])
     with inject_observer(model, sink=RecordingSink()) as observer:
         assert len(observer.layer_names) == 20
-        assert observer.histogram_layer_names == ("0", "3", "5", "8", "11", "14", "16", "19")
-    with inject_observer(model, sink=RecordingSink(), histogram_selector=by_name("1*")) as observer:
-        assert observer.histogram_layer_names == ("1", "10", "11", "12", "13", "14", "15", "16")
-    with inject_observer(model, sink=RecordingSink(), max_histogram_modules=0) as observer:
-        assert observer.histogram_layer_names == ()
+        assert observer.focus_layer_names == ("0", "3", "5", "8", "11", "14", "16", "19")
+    with inject_observer(model, sink=RecordingSink(), focus_selector=by_name("1*")) as observer:
+        assert observer.focus_layer_names == ("1", "10", "11", "12", "13", "14", "15", "16")
+    with inject_observer(model, sink=RecordingSink(), max_focus_layers=0) as observer:
+        assert observer.focus_layer_names == ()

@@ -26,7 +26,7 @@ def test_focus_scalars_histograms_and_summaries_reach_the_target() -> None:
     target = Recorder()
     model = mlp()
     router = LoggerRouter([target])
-    with inject_observer(model, sampler=AlwaysSampler(), sink=router, max_histogram_modules=1):
+    with inject_observer(model, sampler=AlwaysSampler(), sink=router, max_focus_layers=1):
         model(torch.randn(2, 4)).sum().backward()
     ((scalars, histograms, step),) = target.calls
     assert step == 0

@@ -66,7 +66,7 @@ def finished_run(tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 def test_history_has_the_fixed_schema(finished_run: pathlib.Path) -> None:
-    """history.parquet has exactly the design's columns and dtypes, value null iff a reason."""
+    """history.parquet has exactly the long table's columns and dtypes, value null iff a reason."""
     history = pl.read_parquet(finished_run / "history.parquet")
     assert history.schema == pl.Schema(
         {  # type: ignore[arg-type]  # a class and an instance: no common type inferred

@@ -71,7 +71,7 @@ def test_step_record_lands_in_history_and_samples(tmp_path: pathlib.Path) -> Non
         _sampled_step(observer, model, 5)
         record_id = observer.record_step(5, _parameters(model.first, "first"))
         _sampled_step(observer, model, 6)
-        assert observer.samples_taken == 3
+        assert observer.next_sample_id == 3
     assert record_id == 1
     samples = pl.read_parquet(tmp_path / "run" / "samples.parquet").sort("sample_id")
     assert samples.select("sample_id", "kind", "step", "forward_only").rows() == [
@@ -115,7 +115,7 @@ def test_step_record_reaches_logger_targets_under_parameter_keys() -> None:
     target = Recorder()
     model = mlp()
     router = LoggerRouter([target])
-    with inject_observer(model, sink=router, max_histogram_modules=1) as observer:
+    with inject_observer(model, sink=router, max_focus_layers=1) as observer:
         _sampled_step(observer, model, 3)
         observer.record_step(3, _parameters(model[0], "0", histogram=True))
     (forward, forward_histograms, forward_step), (scalars, histograms, step) = target.calls
@@ -186,7 +186,7 @@ def test_step_record_after_removal_records_nothing() -> None:
     observer.remove()
     assert observer.record_step(0, _parameters(model.first, "first")) is None
     assert sink.samples == []
-    assert observer.samples_taken == 0
+    assert observer.next_sample_id == 0
 
 
 def test_step_tensor_refuses_a_forward_signal() -> None:

@@ -256,7 +256,7 @@ def test_histograms_of_focus_modules() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     sink = RecordingSink()
     with inject_observer(
-        model, sampler=AlwaysSampler(), sink=sink, histogram_bins=10, max_histogram_modules=1
+        model, sampler=AlwaysSampler(), sink=sink, histogram_bins=10, max_focus_layers=1
     ):
         model(torch.randn(16, 4)).sum().backward()
     histograms = sink.samples[0].histograms

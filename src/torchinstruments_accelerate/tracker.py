@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,37 +14,33 @@ from accelerate.utils import broadcast_object_list
 from torch import nn
 from typing_extensions import override
 
-from torchinstruments_accelerate._clock import OptimizerClock
 from torchinstruments_accelerate._trackers import accelerator_holding, tracker_targets
 from torchinstruments_core import ConfigurationError, ObservationWarning
+from torchinstruments_core._deprecation import renamed_argument
 from torchinstruments_core.adapter import (
-    AdapterPolicies,
+    ErrorPolicy,
     HoldingSink,
-    ObserveOptions,
-    RoutingOptions,
+    OptimizerClock,
     StepNumbering,
-    StepSchedule,
-    loss_scale_reader,
-    new_run_id,
-    telemetry_sink,
+    TelemetryOptions,
+    run_folder,
 )
-from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS
-from torchinstruments_core.run_directory import fresh_folder
 
 if TYPE_CHECKING:
     import os
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
 
     from accelerate import Accelerator
 
-    from torchinstruments_core import Observer, Reducer, Sink
+    from torchinstruments_core import Observer, Sink
+    from torchinstruments_core.adapter import RunFolder
     from torchinstruments_core.routing import Target
-    from torchinstruments_core.selectors import SelectorFn
 
 log = logging.getLogger(__name__)
 
 
-class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
+@dataclass(eq=False)
+class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
     """Samples per-layer statistics of outputs and output gradients every ``every_n_steps`` steps.
 
     Pass it in ``Accelerator(log_with=[...])`` beside the other trackers and call ``watch`` on the
@@ -88,48 +85,22 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
     optimizer sees them.
 
     Logged metrics:
-        Into ``accelerator.trackers`` on the main process, at the step above:
-
-        - ``<prefix>/<layer>/<signal>/<metric>``: for each focus layer (up to
-          ``max_histogram_modules``, spread over the model's depth), ``signal`` ``output`` and
-          ``output_gradient``, ``metric`` in ``scalar_metrics`` (default ``rms``, ``max_abs``,
-          ``nonfinite_fraction``). A second call of a module adds ``/call_<k>`` after the signal,
-          a tensor inside a nested output its path (``/output.0``).
-        - ``<prefix>/<layer>/<signal>/histogram``: the histogram of the same tensors, to the
-          TensorBoard tracker (raw histograms, its ``writer``) and the W&B tracker
-          (``wandb.Histogram``, its ``run``, with W&B's ``step=``); other trackers (MLflow,
-          Comet …) get the scalars only, through their ``log``.
-        - ``<prefix>/nonfinite_tensors``: how many observed tensors held NaN or Inf in the sample.
-        - ``<prefix>/collection_duration_ms``: host time spent observing the sample.
-
-        Every layer's full statistics go to the run directory, by default
+        The keys of ``TelemetryOptions``, into ``accelerator.trackers`` on the main process at
+        the step above: histograms to the TensorBoard tracker (raw histograms, its ``writer``)
+        and the W&B tracker (``wandb.Histogram``, its ``run``, with W&B's ``step=``), scalars to
+        every tracker (MLflow, Comet … through their ``log``). The run directory is by default
         ``<accelerator.logging_dir>/telemetry`` (the project directory; ``./telemetry`` when
-        neither is known), ``rank-NNN/`` inside per process under ``rank_policy="all"``:
-        ``history.parquet``, ``samples.parquet``, ``result.json``, ``index.md``, ``tensorboard/``.
-        ``watch`` logs its absolute path at INFO on the main process.
+        neither is known); ``watch`` logs its absolute path at INFO on the main process.
+
+    It takes every option of ``TelemetryOptions`` by keyword (``log_to_loggers`` routes into
+    the accelerator's other trackers), plus the ones below.
 
     Args:
         run_name: Set by Accelerate when the tracker is registered by name
             (``register_tracker_class``); not used.
         logging_dir: Set by Accelerate when registered by name: the default folder's parent.
-        every_n_steps: Sample every this many optimizer steps.
-        output_dir: The run directory (default above). If it already holds a run (an earlier
-            run in the same project directory), ``<output_dir>-<run_id>`` is used instead;
-            nothing is overwritten.
-        log_to_trackers: Route scalars and histograms into the accelerator's other trackers.
-        write_directory: Write the run directory.
-        prefix: First part of every logged key.
-        scalar_metrics: Metrics routed to the trackers as scalars.
-        scalar_layers: ``"focus"``, ``"all"``, or glob patterns of layer names.
-        selector: Which modules are observed (default: every leaf module).
-        reducers: Scalar reducers (default: the eleven metrics of ``default_reducers()``).
-        histogram_selector: Which modules are the focus layers (histograms and logged scalars);
-            default: modules with parameters, spread over depth, the largest always included.
-        max_histogram_modules: At most this many focus layers.
-        rank_policy: ``"rank0"`` observes only the main process; ``"all"`` every process, each
-            writing its own ``rank-NNN/``; routing into trackers stays on the main process.
-        error_policy: ``"warn"`` keeps training when observing fails; ``"raise"`` stops.
-        unscale_gradients: Divide gradients by the fp16 loss scale before measuring them.
+        log_to_trackers: Deprecated name of ``log_to_loggers`` (warns; ``None`` after the
+            constructor).
 
     Example::
 
@@ -144,45 +115,34 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
     requires_logging_directory = True
     main_process_only = False  # finish() works wherever it is called; the rank gate is watch()'s
 
-    def __init__(
-        self,
-        run_name: str | None = None,
-        logging_dir: str | os.PathLike[str] | None = None,
-        *,
-        every_n_steps: int = 50,
-        output_dir: str | os.PathLike[str] | None = None,
-        log_to_trackers: bool = True,
-        write_directory: bool = True,
-        prefix: str = "telemetry",
-        scalar_metrics: Sequence[str] = DEFAULT_SCALAR_METRICS,
-        scalar_layers: str | Sequence[str] = "focus",
-        selector: SelectorFn | None = None,
-        reducers: Sequence[Reducer] | None = None,
-        histogram_selector: SelectorFn | None = None,
-        max_histogram_modules: int = 8,
-        rank_policy: str = "rank0",
-        error_policy: str = "warn",
-        unscale_gradients: bool = True,
-    ) -> None:
-        super().__init__()
-        if run_name is not None and not isinstance(run_name, str):
+    run_name: str | None = None
+    logging_dir: str | os.PathLike[str] | None = None
+    _: KW_ONLY
+    log_to_trackers: bool | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        GeneralTracker.__init__(self)
+        if self.run_name is not None and not isinstance(self.run_name, str):
             raise ConfigurationError.invalid(
-                "run_name", run_name, "a str (Accelerate's run name); pass every_n_steps by keyword"
+                "run_name",
+                self.run_name,
+                "a str (Accelerate's run name); pass every_n_steps by keyword",
             )
-        self.schedule = StepSchedule(every_n_steps)
-        self.policies = AdapterPolicies.parse(rank_policy, error_policy)
-        if run_name is not None and self.policies.rank_policy == "all":
+        self.log_to_loggers = renamed_argument(
+            "TelemetryTracker",
+            "log_to_loggers",
+            self.log_to_loggers,
+            "log_to_trackers",
+            self.log_to_trackers,
+            True,
+        )
+        self.log_to_trackers = None
+        super().__post_init__()
+        if self.run_name is not None and self.rank_policy == "all":
             raise ConfigurationError(
                 "rank_policy='all' needs a tracker on every process, and Accelerate creates a "
                 "tracker registered by name on the main process only: pass an instance in log_with"
             )
-        self.routing = RoutingOptions.parse(prefix, scalar_metrics, scalar_layers)
-        self.logging_dir = Path(logging_dir) if logging_dir is not None else None
-        self.output_dir = Path(output_dir) if output_dir is not None else None
-        self.log_to_trackers = log_to_trackers
-        self.write_directory = write_directory
-        self.unscale_gradients = unscale_gradients
-        self.observe = ObserveOptions(selector, reducers, histogram_selector, max_histogram_modules)
         self._observer: Observer | None = None
         self._clock: OptimizerClock | None = None
         self._routed: Accelerator | None = None  # whose trackers receive the samples
@@ -233,29 +193,33 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
             accelerator, holders = accelerator_holding(self)
         state = PartialState()
         main = state.is_main_process
-        folder, run_id = self._shared(accelerator, main=main)
-        if self.policies.rank_policy == "rank0" and not main:
-            return None
-        if accelerator is None:
-            warnings.warn(_unrouted(holders, folder), ObservationWarning, stacklevel=2)
-        self._run_directory = folder
-        sink = self._sink(folder, accelerator if main else None)
-        self._holding = HoldingSink(sink, self._numbering, error_policy=self.policies.error_policy)
-        self._observer = self.observe.inject(
-            model, sink=self._holding, policies=self.policies, run_id=run_id
+        folder, run_id = self.agree_on_run(
+            # A collective only where every process observes (and so calls watch).
+            _broadcast if self.rank_policy == "all" else _local,
+            main=main,
+            choose=lambda run_id: self._choose_folder(accelerator, run_id),
         )
-        if self.policies.rank_policy == "all":
+        if not self.observes(main=main):
+            return None
+        self._run_directory = folder.path if folder is not None else None
+        if accelerator is None:
+            warnings.warn(_unrouted(holders, self._run_directory), ObservationWarning, stacklevel=2)
+        sink = self._sink(folder, accelerator if self.routes(main=main) else None)
+        self._holding = HoldingSink(
+            sink, self._numbering, error_policy=ErrorPolicy(self.error_policy)
+        )
+        self._observer = self.inject(model, sink=self._holding, run_id=run_id)
+        if self.rank_policy == "all":
             # Every process holds its sink before any creates its rank-NNN/ (at its first
             # sample); a sink created later would take that folder for an older run's.
             state.wait_for_everyone()
-        if self.unscale_gradients:
-            # called as each sample opens: after the scaler's update() that follows a tick
-            scaler = getattr(accelerator, "scaler", None)
-            self._observer.set_gradient_scale(loss_scale_reader(scaler, state.device))
+        # read as each sample opens: after the scaler's update() that follows a tick
+        scaler = getattr(accelerator, "scaler", None)
+        self._observer.set_gradient_scale(self.gradient_scale(scaler, state.device))
         self._clock = OptimizerClock(model, self._on_optimizer_step)
         self._begin()
         if folder is not None and main:
-            log.info("TelemetryTracker: writing the run directory to %s", folder)
+            log.info("TelemetryTracker: writing the run directory to %s", folder.path)
         return self._observer
 
     @override
@@ -294,7 +258,7 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
     def _begin(self) -> None:
         assert self._observer is not None
         step = self._numbering.step  # the tracker's count: the sink renumbers the samples
-        self._observer.begin_step(step, sample=self.schedule.samples(step))
+        self._observer.begin_step(step, sample=self.is_sampled(step))
 
     def _training_forwards(self) -> int:
         return self._observer.training_forwards if self._observer is not None else 0
@@ -305,28 +269,28 @@ class TelemetryTracker(GeneralTracker):  # type: ignore[misc]
             return []
         return tracker_targets(t for t in self._routed.trackers if t.name != self.name)
 
-    def _sink(self, folder: Path | None, accelerator: Accelerator | None) -> Sink:
-        routed = self.log_to_trackers and accelerator is not None
-        self._routed = accelerator if routed else None
+    def _sink(self, folder: RunFolder | None, routed: Accelerator | None) -> Sink:
+        self._routed = routed
         targets: Callable[[], list[Target]] | list[Target] = self._other_trackers if routed else []
-        return telemetry_sink(output_dir=folder, targets=targets, routing=self.routing)
+        return self.sink(folder, targets)
 
-    def _shared(
-        self, accelerator: Accelerator | None, *, main: bool
-    ) -> tuple[Path | None, str | None]:
-        """The run folder and run id the main process chose, on every process that observes."""
-        folder, run_id = None, None
-        if main:
+    def _choose_folder(self, accelerator: Accelerator | None, run_id: str) -> RunFolder:
+        """``output_dir``, else ``telemetry`` in the accelerator's logging dir, ours, or ``.``."""
+        if self.output_dir is not None:
+            base = Path(self.output_dir)
+        else:
             parent = accelerator.logging_dir if accelerator is not None else None
-            base = self.output_dir or Path(parent or self.logging_dir or ".") / "telemetry"
-            run_id = new_run_id()
-            base = base.absolute()
-            fresh = fresh_folder(base.parent, base.name, run_id)
-            folder = fresh.path if self.write_directory else None
-        if self.policies.rank_policy == "all":
-            # Collective: every process takes part, and all of them write under main's folder.
-            folder, run_id = broadcast_object_list([folder, run_id])
-        return folder, run_id
+            base = Path(parent or self.logging_dir or ".") / "telemetry"
+        return run_folder(base.absolute(), run_id)
+
+
+def _broadcast(value: Any) -> Any:
+    """The main process's ``value`` on every process (Accelerate's collective)."""
+    return broadcast_object_list([value])[0]
+
+
+def _local(value: Any) -> Any:
+    return value
 
 
 def _unrouted(holders: int, folder: Path | None) -> str:

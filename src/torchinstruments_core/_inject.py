@@ -18,7 +18,7 @@ from torchinstruments_core._config import (
     parse_choice,
 )
 from torchinstruments_core._exceptions import ConfigurationError
-from torchinstruments_core._layers import select_layers
+from torchinstruments_core._layers import DEFAULT_MAX_FOCUS_LAYERS, focus_arguments, select_layers
 from torchinstruments_core._measure import Measurer
 from torchinstruments_core._observer import Observer, ObserverConfig
 from torchinstruments_core._registry import claim, lookup
@@ -46,14 +46,16 @@ def inject_observer(
     reducers: Sequence[Reducer] | None = None,
     output_dir: str | os.PathLike[str] | None = None,
     sink: Sink | None = None,
-    histogram_selector: SelectorFn | None = None,
-    max_histogram_modules: int = 8,
+    focus_selector: SelectorFn | None = None,
+    max_focus_layers: int = DEFAULT_MAX_FOCUS_LAYERS,
     histogram_bins: int = 64,
     rank_policy: str = "rank0",
     error_policy: str = "warn",
     capture_direct_forwards: bool = False,
     run_id: str | None = None,
     first_sample_id: int = 0,
+    histogram_selector: SelectorFn | None = None,
+    max_histogram_modules: int | None = None,
 ) -> Observer:
     """Observe ``model``: sampled statistics of its modules' outputs and output gradients.
 
@@ -80,11 +82,12 @@ def inject_observer(
             and probed for writing; it must hold no run, no file a run writes, no link in their
             place, and no other observer of this process may write it.
         sink: Where finished samples go instead of a run directory, e.g. ``RecordingSink()``.
-        histogram_selector: Chooses the focus modules that also get histograms (default: up to
-            ``max_histogram_modules`` observed modules with parameters of their own, spread
-            over depth, the largest always included; parameter-free ones, never ``Flatten``,
+        focus_selector: Chooses the focus layers among the observed modules: their tensors also
+            get histograms, and an adapter routes their scalars (default: up to
+            ``max_focus_layers`` observed modules with parameters of their own, spread over
+            depth, the largest always included; parameter-free ones, never ``Flatten``,
             ``Identity``, dropout or pooling, only when too few have parameters).
-        max_histogram_modules: At most this many focus modules (0 turns histograms off).
+        max_focus_layers: At most this many focus layers (0 turns histograms off).
         histogram_bins: Bins of each histogram, spanning the tensor's finite range; at most
             ``MAX_HISTOGRAM_BINS`` (65,536).
         rank_policy: ``"rank0"`` observes only global rank 0; ``"all"`` observes every rank.
@@ -98,6 +101,8 @@ def inject_observer(
             suffix, per process).
         first_sample_id: The first sample's id; a resumed run passes the number of samples it
             had taken, so that ids continue.
+        histogram_selector: Deprecated name of ``focus_selector`` (warns).
+        max_histogram_modules: Deprecated name of ``max_focus_layers`` (warns).
 
     Returns:
         The attached ``Observer``; also a context manager that removes itself. Left attached,
@@ -128,11 +133,17 @@ def inject_observer(
     """
     if not isinstance(model, nn.Module):
         raise ConfigurationError.invalid("model", type(model).__name__, "a torch.nn.Module")
-    histograms = check_positive_int("max_histogram_modules", max_histogram_modules, minimum=0)
+    focus = focus_arguments(
+        "inject_observer",
+        focus_selector,
+        max_focus_layers,
+        histogram_selector,
+        max_histogram_modules,
+    )
     bins = check_positive_int(
         "histogram_bins", histogram_bins, minimum=1, maximum=MAX_HISTOGRAM_BINS
     )
-    layers = select_layers(model, _selector(selector), histogram_selector, histograms)
+    layers = select_layers(model, _selector(selector), *focus)
     checked_sampler = _build_sampler(interval, sampler)
     measurer = Measurer(_check_reducers(reducers), HistogramReducer(bins=bins))
     policies = (

@@ -1,4 +1,4 @@
-"""Choose the observed modules and the focus modules that also get histograms."""
+"""Choose the observed modules and, among them, the focus layers that also get histograms."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.nn.modules import dropout, flatten, pooling
 
+from torchinstruments_core._config import check_positive_int
+from torchinstruments_core._deprecation import renamed_argument
 from torchinstruments_core._exceptions import ConfigurationError
 from torchinstruments_core._names import named_modules_clean
 from torchinstruments_core._records import LayerInfo
@@ -21,6 +23,9 @@ _NEVER_FOCUS: tuple[type[nn.Module], ...] = (
     nn.Identity,
     *(getattr(source, name) for source in (dropout, flatten, pooling) for name in source.__all__),
 )
+
+DEFAULT_MAX_FOCUS_LAYERS = 8
+"""How many focus layers are chosen unless ``max_focus_layers`` says otherwise."""
 
 
 @dataclass(slots=True)
@@ -37,16 +42,48 @@ class Layer:
         return LayerInfo(self.name, type(self.module).__name__, count, self.histogram)
 
 
+def focus_arguments(
+    owner: str,
+    focus_selector: SelectorFn | None,
+    max_focus_layers: int,
+    histogram_selector: SelectorFn | None,
+    max_histogram_modules: int | None,
+) -> tuple[SelectorFn | None, int]:
+    """``focus_selector`` and ``max_focus_layers`` of ``owner``, checked.
+
+    ``histogram_selector`` and ``max_histogram_modules`` are their deprecated names: either is
+    taken with a ``DeprecationWarning``, and giving both names of one argument raises.
+
+    Raises:
+        ConfigurationError: An argument is invalid or given under both names.
+    """
+    selector = renamed_argument(
+        owner, "focus_selector", focus_selector, "histogram_selector", histogram_selector, None
+    )
+    if selector is not None and not callable(selector):
+        raise ConfigurationError.invalid("focus_selector", selector, "a (name, module) -> bool")
+    count = renamed_argument(
+        owner,
+        "max_focus_layers",
+        max_focus_layers,
+        "max_histogram_modules",
+        max_histogram_modules,
+        DEFAULT_MAX_FOCUS_LAYERS,
+    )
+    name = "max_focus_layers" if max_histogram_modules is None else "max_histogram_modules"
+    return selector, check_positive_int(name, count, minimum=0)
+
+
 def select_layers(
     model: nn.Module,
     selector: SelectorFn,
-    histogram_selector: SelectorFn | None,
-    max_histogram_modules: int,
+    focus_selector: SelectorFn | None,
+    max_focus_layers: int,
 ) -> list[Layer]:
-    """The modules ``selector`` picks, in model order, with up to ``max_histogram_modules`` focus.
+    """The modules ``selector`` picks, in model order, with up to ``max_focus_layers`` focus.
 
-    Focus modules are those ``histogram_selector`` picks (the first ``max_histogram_modules``), or
-    by default those ``default_focus`` picks.
+    Focus layers are those ``focus_selector`` picks (the first ``max_focus_layers``), or by
+    default those ``default_focus`` picks.
     """
     layers = [Layer(n, m, False) for n, m in named_modules_clean(model) if selector(n, m)]
     if not layers:
@@ -55,13 +92,11 @@ def select_layers(
             "pass selector=leaf_modules() or a selector that matches the names in "
             "model.named_modules()"
         )
-    if histogram_selector is not None:
-        focus = [
-            i for i, layer in enumerate(layers) if histogram_selector(layer.name, layer.module)
-        ]
-        focus = focus[:max_histogram_modules]
+    if focus_selector is not None:
+        focus = [i for i, layer in enumerate(layers) if focus_selector(layer.name, layer.module)]
+        focus = focus[:max_focus_layers]
     else:
-        focus = default_focus([layer.module for layer in layers], max_histogram_modules)
+        focus = default_focus([layer.module for layer in layers], max_focus_layers)
     for index in focus:
         layers[index].histogram = True
     return layers

@@ -23,6 +23,7 @@ transfer and the sink receives the ``SampleRecord``.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 from torchinstruments_core import _process
@@ -87,9 +88,16 @@ class Observer:
         return tuple(layer.name for layer in self._layers)
 
     @property
-    def histogram_layer_names(self) -> tuple[str, ...]:
-        """The focus modules whose tensors also get histograms."""
+    def focus_layer_names(self) -> tuple[str, ...]:
+        """The focus layers: their tensors also get histograms, and adapters route their scalars."""
         return tuple(layer.name for layer in self._layers if layer.histogram)
+
+    @property
+    def histogram_layer_names(self) -> tuple[str, ...]:
+        """Deprecated name of ``focus_layer_names`` (warns)."""
+        message = "Observer.histogram_layer_names is deprecated; use Observer.focus_layer_names"
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        return self.focus_layer_names
 
     @property
     def attached(self) -> bool:
@@ -97,9 +105,19 @@ class Observer:
         return not self._samples.removed and self._gate.enabled
 
     @property
-    def samples_taken(self) -> int:
+    def next_sample_id(self) -> int:
         """The id of the next record (samples and step records so far plus ``first_sample_id``)."""
         return self._samples.next_sample_id
+
+    @property
+    def samples_taken(self) -> int:
+        """Deprecated name of ``next_sample_id`` (warns)."""
+        warnings.warn(
+            "Observer.samples_taken is deprecated; use Observer.next_sample_id",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.next_sample_id
 
     @property
     def training_forwards(self) -> int:

@@ -1,8 +1,9 @@
 """The records that cross from the engine to sinks: one sample, its rows and its histograms.
 
-Rows follow the long table of the design: one row per scalar, ``value`` is ``None`` exactly when
-``unavailable_reason`` is set. A record is a forward sample or an optimizer step's record
-(``SampleRecord.kind``); both go through the same sinks. The signals are defined in ``_signals``.
+Rows form one long table (``history.parquet``): one row per scalar, ``value`` is ``None``
+exactly when ``unavailable_reason`` is set. A record is a forward sample or an optimizer step's
+record (``SampleRecord.kind``); both go through the same sinks. The signals are defined in
+``_signals``.
 """
 
 from __future__ import annotations

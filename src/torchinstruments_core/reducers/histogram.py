@@ -27,8 +27,9 @@ class HistogramReducer:
 
     Its output is not a list of scalars, so ``metrics`` is empty and ``reduce`` returns one packed
     tensor of ``bins + 4`` values (see ``functional.histogram_counts``): what needs the data, on
-    its device. The engine recognises this reducer and, after the transfer to the host, turns
-    the packed values into edges, counts and the non-finite count with ``unpack``.
+    its device. The engine recognises this reducer and, after the transfer to the host, splits
+    the packed values into edges, counts and the non-finite count with
+    ``functional.split_histogram``; ``unpack`` does the same for a caller of ``reduce``.
 
     Args:
         bins: Number of bins; an int from 1 to ``MAX_HISTOGRAM_BINS`` (65,536).

@@ -1,4 +1,4 @@
-"""``RunDirectorySink``: the run directory of the design, written off the training thread."""
+"""``RunDirectorySink``: Parquet history, result.json, index.md, written off the training thread."""
 
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
-"""The telemetry's clock: optimizer steps, counted the same way on every process.
+"""``OptimizerClock``: a trainer's optimizer steps, counted from the optimizer itself.
 
-``accelerator.log`` runs on the main process only and a tracker never sees the training loop, so
-the step comes from the optimizer instead: a post-hook common to all optimizers (public torch API)
-that follows the first optimizer to step one of the watched model's parameters. Under
-``accelerator.accumulate`` the inner optimizer steps only when gradients are synchronized, so one
-tick is one optimizer step, whatever the number of micro-batches.
+An adapter that never sees the training loop (Accelerate's tracker only receives ``log`` calls,
+on the main process only) still needs the loop's steps. The optimizer knows them: a post-hook
+common to all optimizers (public torch API) follows the first optimizer to step one of the
+watched model's parameters. It needs nothing but torch, so a plain loop, Accelerate, Fabric or
+the Transformers ``Trainer`` count alike, the same way on every process. Under gradient
+accumulation the optimizer steps once per synchronization, so one tick is one optimizer step,
+whatever the number of micro-batches.
 """
 
 from __future__ import annotations
@@ -25,12 +27,25 @@ class OptimizerClock:
     """Calls ``on_step`` after each step of the optimizer that trains ``model``.
 
     That optimizer is the first to step one of ``model``'s parameters (any optimizer when none of
-    them requires a gradient). A step skipped by the fp16 ``GradScaler`` (an overflow) runs no
-    optimizer step and is not counted.
+    them requires a gradient); optimizers of other models are ignored. A step skipped by the fp16
+    ``GradScaler`` (an overflow) runs no optimizer step and is not counted.
 
     Args:
         model: The watched model (only a weak reference is kept).
         on_step: Called after each counted step.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> ticks = []
+        >>> clock = OptimizerClock(model, lambda: ticks.append(len(ticks)))
+        >>> for _ in range(3):
+        ...     model(torch.ones(1, 2)).sum().backward()
+        ...     optimizer.step()
+        >>> clock.remove()
+        >>> ticks
+        [0, 1, 2]
     """
 
     def __init__(self, model: nn.Module, on_step: Callable[[], None]) -> None:
