@@ -420,7 +420,7 @@ def test_a_kill_while_finalizing_is_recognized_and_repaired_in_one_line(
 
     Killed before the history's rename, before the samples' rename, or halfway through removing
     the chunks: the folder reads as needing repair, a new injection says how, and
-    `python -m torchinstruments_core.run_directory.repair` completes it with every row.
+    `python -m torchinstruments_core.run_directory repair` completes it with every row.
     """
     run = tmp_path / "run"
     killed = subprocess.run(
@@ -442,7 +442,7 @@ def test_a_kill_while_finalizing_is_recognized_and_repaired_in_one_line(
         assert next_free_folder(run) == tmp_path / "run-resumed-1"
     assert "unfinished run" in caplog.text
 
-    command = [sys.executable, "-m", "torchinstruments_core.run_directory.repair", str(run)]
+    command = [sys.executable, "-m", "torchinstruments_core.run_directory", "repair", str(run)]
     repaired = subprocess.run(command, capture_output=True, text=True, check=False)
     assert repaired.returncode == 0, repaired.stderr
     assert repaired.stderr == ""

@@ -63,7 +63,7 @@ _STATUSES = """\
 finalizing; `complete`: finalized, every sample is in `history.parquet`; `complete_with_losses`:
 finalized, `lost` in result.json counts the samples and rows that were not written and why;
 `needs_repair`: finalizing failed (e.g. a full disk), the chunks are intact; `recovered`:
-completed by `python -m torchinstruments_core.run_directory.repair` after a crash or a kill."""
+completed by `python -m torchinstruments_core.run_directory repair` after a crash or a kill."""
 
 _METRICS = """\
 Statistics describe the finite entries of a tensor; the two fractions describe the whole tensor.

@@ -32,7 +32,7 @@ RUN_FILES = (
     "index.md",
     "tensorboard",
 )
-REPAIR_COMMAND = "python -m torchinstruments_core.run_directory.repair"
+REPAIR_COMMAND = "python -m torchinstruments_core.run_directory repair"
 
 
 @dataclass(frozen=True, slots=True)

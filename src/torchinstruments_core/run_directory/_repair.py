@@ -2,7 +2,7 @@
 
 One line, from a shell::
 
-    python -m torchinstruments_core.run_directory.repair PATH
+    python -m torchinstruments_core.run_directory repair PATH
 
 It does what finalizing would have done, in the same order (see ``_state``): compacts the chunks
 of ``history.parts/``, rebuilds the aggregates of ``result.json`` from the rows on disk, writes
