@@ -15,7 +15,6 @@ import torch
 from accelerate.tracking import GeneralTracker
 from torch import nn
 
-import torchinstruments_core.adapter
 from torchinstruments_accelerate import TelemetryTracker
 from torchinstruments_core import ConfigurationError, HistogramRecord, Observer
 from torchinstruments_core.adapter import (
@@ -209,19 +208,3 @@ def test_the_adapters_keep_identity_hashing_positional_arguments_and_copies(
     assert checked == [tracker]
     assert (tracker.run_name, tracker.logging_dir, tracker.every_n_steps) == ("exp", "runs", 5)
     assert len({tracker, TelemetryTracker()}) == 2
-
-
-def test_exported_names() -> None:
-    """The contract module exports exactly these names, sorted."""
-    assert torchinstruments_core.adapter.__all__ == [
-        "ErrorPolicy",
-        "HoldingSink",
-        "OptimizerClock",
-        "RankPolicy",
-        "RunFolder",
-        "StepNumbering",
-        "TelemetryOptions",
-        "loss_scale_reader",
-        "new_run_id",
-        "run_folder",
-    ]
