@@ -39,7 +39,9 @@ class Exploding(pl.LightningModule):
         self.from_step = from_step
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        self.net[1].armed = self.global_step >= self.from_step
+        bomb = self.net[1]
+        assert isinstance(bomb, Bomb)
+        bomb.armed = self.global_step >= self.from_step
         x, y = batch
         return (self.net(x) - y).square().mean()
 

@@ -135,7 +135,7 @@ def test_triggered_schedule_samples_the_window_after_the_trigger() -> None:
     ("argument", "value"),
     [("on_nonfinite", "halt"), ("sample_after_nonfinite", -1), ("sample_after_nonfinite", 1.5)],
 )
-def test_options_reject_bad_nonfinite_settings(argument: str, value: object) -> None:
+def test_options_reject_bad_nonfinite_settings(argument: str, value: Any) -> None:
     """A bad choice raises at once, naming the argument and the value."""
     with pytest.raises(ConfigurationError, match=argument):
         TelemetryOptions(**{argument: value})
