@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from torchinstruments_core import Observer, Sink
-    from torchinstruments_core.adapter import RunFolder
+    from torchinstruments_core.adapter import NonFiniteWatch, RunFolder
     from torchinstruments_core.routing import Target
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,15 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
       keeps the tracker's count in its ``optimizer_step`` column. Processes other than the main
       one see no ``log`` call and number their steps by the count.
 
+    Non-finite values: a value the loop logs (``accelerator.log``) under a key containing
+    ``loss`` (any case), a float or a one-element tensor, is checked without waiting for the
+    device (a tensor's check is read at the next optimizer step); when it is NaN or Inf the
+    optimizer steps after the one in progress are sampled, ``sample_after_nonfinite`` of them. A
+    sampled step with NaN or Inf values is named in the log and the other trackers when it is
+    delivered (at its ``log`` or the next optimizer step, see above), and that call acts on it:
+    ``on_nonfinite="stop"`` sets ``should_stop`` for the loop to read, ``"raise"`` raises
+    ``NonFiniteError`` out of ``accelerator.log`` or ``optimizer.step()``.
+
     ``finish`` (which ``accelerator.end_training()`` calls on the main process) removes every hook
     and finalizes the run directory. Accelerate keeps trackers on the main process only; under
     ``rank_policy="all"`` the other processes finalize theirs when they end, under any launcher
@@ -88,7 +97,8 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         The keys of ``TelemetryOptions``, into ``accelerator.trackers`` on the main process at
         the step above: histograms to the TensorBoard tracker (raw histograms, its ``writer``)
         and the W&B tracker (``wandb.Histogram``, its ``run``, with W&B's ``step=``), scalars to
-        every tracker (MLflow, Comet … through their ``log``). The run directory is by default
+        every tracker (MLflow, Comet … through their ``log``); the non-finite message as text
+        to the TensorBoard and W&B trackers. The run directory is by default
         ``<accelerator.logging_dir>/telemetry`` (the project directory; ``./telemetry`` when
         neither is known); ``watch`` logs its absolute path at INFO on the main process.
 
@@ -148,12 +158,23 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         self._routed: Accelerator | None = None  # whose trackers receive the samples
         self._numbering = StepNumbering(self._training_forwards)  # also before watch()
         self._holding: HoldingSink | None = None
+        self._watch: NonFiniteWatch | None = None
+        self._should_stop = False
         self._run_directory: Path | None = None
 
     @property
     def tracker(self) -> Observer | None:
         """The core observer while watching (``None`` before ``watch`` and on unobserved ranks)."""
         return self._observer
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether ``on_nonfinite="stop"`` asks the loop to stop (a sample went non-finite).
+
+        Read-only; set at the optimizer step or ``log`` that follows the sample's delivery and
+        reset by ``watch``. A loop checks it: ``if telemetry.should_stop: break``.
+        """
+        return self._should_stop
 
     @property
     def run_directory(self) -> Path | None:
@@ -204,6 +225,7 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         self._run_directory = folder.path if folder is not None else None
         if accelerator is None:
             warnings.warn(_unrouted(holders, self._run_directory), ObservationWarning, stacklevel=2)
+        self._should_stop = False
         sink = self._sink(folder, accelerator if self.routes(main=main) else None)
         self._holding = HoldingSink(
             sink, self._numbering, error_policy=ErrorPolicy(self.error_policy)
@@ -224,12 +246,19 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
 
     @override
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        """Number the optimizer step in progress ``step`` (see "Steps"); ``values`` are ignored."""
-        if step is None:
-            return
-        self._numbering.logged(int(step))
-        if self._holding is not None:
-            self._holding.release()
+        """Number the step in progress ``step`` (see "Steps"); check the losses in ``values``.
+
+        Raises:
+            NonFiniteError: Under ``on_nonfinite="raise"``, when a sample released here (or
+                delivered since the last optimizer step) held non-finite values.
+        """
+        if self._watch is not None:
+            self._watch.check_logged(values)
+        if step is not None:
+            self._numbering.logged(int(step))
+            if self._holding is not None:
+                self._holding.release()
+        self._act()
 
     @override
     def finish(self) -> None:
@@ -246,6 +275,7 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         if observer is not None:
             observer.remove()  # closes the holding sink: held samples go out, numbered
             self._holding = None
+            self._watch = None
             self._numbering = StepNumbering(self._training_forwards)  # for a later watch()
 
     def _on_optimizer_step(self) -> None:
@@ -254,11 +284,17 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
             self._numbering.stepped()
             self._holding.release()
             self._begin()
+            self._act()
 
     def _begin(self) -> None:
         assert self._observer is not None
+        assert self._watch is not None
         step = self._numbering.step  # the tracker's count: the sink renumbers the samples
-        self._observer.begin_step(step, sample=self.is_sampled(step))
+        self._observer.begin_step(step, sample=self._watch.begin_step(step))
+
+    def _act(self) -> None:
+        if self._watch is not None and self._watch.act():
+            self._should_stop = True
 
     def _training_forwards(self) -> int:
         return self._observer.training_forwards if self._observer is not None else 0
@@ -272,7 +308,8 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
     def _sink(self, folder: RunFolder | None, routed: Accelerator | None) -> Sink:
         self._routed = routed
         targets: Callable[[], list[Target]] | list[Target] = self._other_trackers if routed else []
-        return self.sink(folder, targets)
+        self._watch = self.nonfinite_watch(targets)
+        return self.sink(folder, targets, watch=self._watch)
 
     def _choose_folder(self, accelerator: Accelerator | None, run_id: str) -> RunFolder:
         """``output_dir``, else ``telemetry`` in the accelerator's logging dir, ours, or ``.``."""

@@ -7,6 +7,7 @@ imports only torch; optional writers import their backends when used.
 from torchinstruments_core._exceptions import (
     ConfigurationError,
     MissingDependencyError,
+    NonFiniteError,
     ObservationError,
     ObservationWarning,
     ObserverAlreadyAttachedError,
@@ -53,6 +54,7 @@ __all__ = [
     "LayerInfo",
     "MissingDependencyError",
     "MomentsReducer",
+    "NonFiniteError",
     "ObservationError",
     "ObservationWarning",
     "Observer",

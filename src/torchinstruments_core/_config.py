@@ -22,6 +22,20 @@ class ErrorPolicy(StrEnum):
     RAISE = "raise"
 
 
+class NonFinitePolicy(StrEnum):
+    """What an adapter does when a sampled step holds NaN or Inf values.
+
+    ``WARN`` logs a message naming the first layer of the forward and of the backward and sends
+    it to the trainer's loggers; ``STOP`` does the same and asks the trainer to stop;
+    ``RAISE`` does the same and raises ``NonFiniteError``; ``IGNORE`` does none of it.
+    """
+
+    WARN = "warn"
+    STOP = "stop"
+    RAISE = "raise"
+    IGNORE = "ignore"
+
+
 E = TypeVar("E", bound=StrEnum)
 
 

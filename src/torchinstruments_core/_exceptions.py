@@ -6,6 +6,7 @@ The tree::
     ├── ConfigurationError (also a ValueError)   a bad argument, raised at once
     ├── ObserverAlreadyAttachedError             a second observer on the same model
     ├── ObservationError                         observing failed, under error_policy="raise"
+    ├── NonFiniteError                           a sample held NaN/Inf, under on_nonfinite="raise"
     ├── RunDirectoryExistsError (also a FileExistsError)  output_dir already holds a run
     └── MissingDependencyError (also an ImportError)  an optional package is not installed
 
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
+
+    from torchinstruments_core._nonfinite import NonFiniteOnset
 
 
 class TorchInstrumentsError(Exception):
@@ -43,6 +46,18 @@ class ObserverAlreadyAttachedError(TorchInstrumentsError):
 
 class ObservationError(TorchInstrumentsError):
     """Observing failed (a reducer, a sink) and ``error_policy="raise"`` asked to stop."""
+
+
+class NonFiniteError(TorchInstrumentsError):
+    """A sampled step held NaN or Inf values and ``on_nonfinite="raise"`` asked to stop.
+
+    The message names the step and the first non-finite layer of the forward and the backward;
+    ``onset`` holds them (a ``NonFiniteOnset``).
+    """
+
+    def __init__(self, message: str, onset: NonFiniteOnset | None = None) -> None:
+        super().__init__(message)
+        self.onset = onset
 
 
 class MissingDependencyError(TorchInstrumentsError, ImportError):

@@ -13,9 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchinstruments_core._config import ErrorPolicy, RankPolicy, check_positive_int, parse_choice
+from torchinstruments_core._config import (
+    ErrorPolicy,
+    NonFinitePolicy,
+    RankPolicy,
+    check_positive_int,
+    parse_choice,
+)
 from torchinstruments_core._inject import _check_reducers, _selector, inject_observer, new_run_id
 from torchinstruments_core._layers import DEFAULT_MAX_FOCUS_LAYERS, focus_arguments
+from torchinstruments_core._watch import NonFiniteWatch
 from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS, LoggerRouter
 from torchinstruments_core.run_directory import (
     RunDirectorySink,
@@ -54,6 +61,10 @@ class TelemetryOptions:
           loggers that take histograms (TensorBoard, W&B); the others get the scalars only.
         - ``<prefix>/nonfinite_tensors``: how many observed tensors held NaN or Inf in the sample.
         - ``<prefix>/collection_duration_ms``: host time spent observing the sample.
+        - ``<prefix>/nonfinite_onset``: 1 at the step of a sample whose values turned
+          non-finite (the first of an episode, see ``on_nonfinite``), to every logger;
+          ``<prefix>/nonfinite``, the message naming the layers, as text to the loggers that
+          take text (TensorBoard ``add_text``, W&B ``wandb.Html``).
 
         Every layer's full statistics go to the run directory (``rank-NNN/`` inside per process
         under ``rank_policy="all"``): ``history.parquet``, ``samples.parquet``, ``result.json``,
@@ -86,6 +97,16 @@ class TelemetryOptions:
             on the main process.
         error_policy: ``"warn"`` keeps training when observing fails (the values recorded as
             unavailable, one warning per cause); ``"raise"`` stops.
+        on_nonfinite: What a sampled step with NaN or Inf values does: ``"warn"`` logs a
+            WARNING naming its step and the first non-finite layer of the forward and of the
+            backward (where it started or was passed on) and sends it to the loggers (see
+            "Logged metrics"); ``"stop"`` also asks the trainer to stop; ``"raise"`` also raises
+            ``NonFiniteError``; ``"ignore"`` does none of it. Reported once per episode: the
+            next non-finite samples are not, until a sample is finite again.
+        sample_after_nonfinite: Sample every one of the this-many steps that follow a
+            non-finite loss or a non-finite sample, so the onset is recorded at full resolution
+            (0: no dense sampling). The loss is checked once per step without waiting for the
+            device, and read at the next step.
         unscale_gradients: Divide gradients by the fp16 loss scale before measuring them, so
             that they are the gradients the optimizer sees (bf16 and fp32 need no unscaling).
         histogram_selector: Deprecated name of ``focus_selector`` (warns; ``None`` after the
@@ -111,6 +132,8 @@ class TelemetryOptions:
     max_focus_layers: int = DEFAULT_MAX_FOCUS_LAYERS
     rank_policy: str = "rank0"
     error_policy: str = "warn"
+    on_nonfinite: str = "warn"
+    sample_after_nonfinite: int = 10
     unscale_gradients: bool = True
     histogram_selector: SelectorFn | None = field(default=None, repr=False)
     max_histogram_modules: int | None = field(default=None, repr=False)
@@ -128,6 +151,8 @@ class TelemetryOptions:
         check_positive_int("every_n_steps", self.every_n_steps, minimum=1)
         self.rank_policy = parse_choice(RankPolicy, "rank_policy", self.rank_policy)
         self.error_policy = parse_choice(ErrorPolicy, "error_policy", self.error_policy)
+        self.on_nonfinite = parse_choice(NonFinitePolicy, "on_nonfinite", self.on_nonfinite)
+        check_positive_int("sample_after_nonfinite", self.sample_after_nonfinite, minimum=0)
         _selector(self.selector)
         if self.reducers is not None:
             self.reducers = _check_reducers(self.reducers)
@@ -147,6 +172,24 @@ class TelemetryOptions:
     def is_sampled(self, step: int) -> bool:
         """Whether the trainer's optimizer step ``step`` (0, 1, 2 …) is sampled."""
         return step % self.every_n_steps == 0
+
+    def nonfinite_watch(
+        self, targets: Sequence[Target] | Callable[[], Iterable[Target]]
+    ) -> NonFiniteWatch:
+        """A ``NonFiniteWatch`` with these options, reporting into ``targets``: one per run.
+
+        Pass it to ``sink`` so that it sees every record, ask it ``begin_step(step)`` instead
+        of ``is_sampled(step)``, give it the loss (``check_loss``) and call ``act()`` after the
+        step (see the adapter contract).
+        """
+        schedule = TriggeredSchedule(self.every_n_steps, self.sample_after_nonfinite)
+        return NonFiniteWatch(
+            schedule,
+            policy=NonFinitePolicy(self.on_nonfinite),
+            targets=targets,
+            prefix=self.prefix,
+            owner=type(self).__name__,
+        )
 
     def observes(self, *, main: bool) -> bool:
         """Whether this process observes: the main one (global rank 0), or all of them."""
@@ -188,6 +231,7 @@ class TelemetryOptions:
         targets: Sequence[Target] | Callable[[], Iterable[Target]],
         *,
         tensorboard: bool = True,
+        watch: NonFiniteWatch | None = None,
     ) -> Sink:
         """The run directory in ``folder`` and the routing into ``targets``, as one sink.
 
@@ -197,6 +241,7 @@ class TelemetryOptions:
                 ``WandbRunTarget``, ``ScalarTarget``), or a function returning them at each
                 write (see ``LoggerRouter``); empty where ``routes`` is false.
             tensorboard: Whether the run directory writes its own ``tensorboard/``.
+            watch: The run's ``NonFiniteWatch``, which then sees every record.
         """
         sinks: list[Sink] = []
         if folder is not None:
@@ -210,6 +255,8 @@ class TelemetryOptions:
                     scalar_layers=self.scalar_layers,
                 )
             )
+        if watch is not None:
+            sinks.append(watch)
         return MultiSink(sinks)
 
     def inject(
@@ -237,6 +284,41 @@ class TelemetryOptions:
         ``None`` without ``unscale_gradients``, so that gradients are recorded as scaled.
         """
         return loss_scale_reader(scaler, device) if self.unscale_gradients else None
+
+
+@dataclass(slots=True)
+class TriggeredSchedule:
+    """Every ``every_n_steps``-th step, plus every step of a dense window after a trigger.
+
+    ``trigger(s)`` samples steps ``s + 1`` … ``s + dense_steps`` besides the regular ones (a
+    window already open is extended); with ``dense_steps=0`` it does nothing. An unsampled step
+    costs one modulo and two comparisons.
+
+    Example:
+        >>> schedule = TriggeredSchedule(every_n_steps=10, dense_steps=3)
+        >>> schedule.trigger(4)
+        7
+        >>> [s for s in range(12) if schedule.is_sampled(s)]
+        [0, 5, 6, 7, 10]
+    """
+
+    every_n_steps: int
+    dense_steps: int
+    dense_from: int = 0
+    dense_until: int = -1
+
+    def is_sampled(self, step: int) -> bool:
+        """Whether the trainer's optimizer step ``step`` is sampled."""
+        return step % self.every_n_steps == 0 or self.dense_from <= step <= self.dense_until
+
+    def trigger(self, step: int) -> int | None:
+        """Sample the steps after ``step`` densely; the last one so sampled (``None``: none)."""
+        if self.dense_steps == 0:
+            return None
+        if step >= self.dense_until:  # no window open after ``step``: a new one
+            self.dense_from = step + 1
+        self.dense_until = max(self.dense_until, step + self.dense_steps)
+        return self.dense_until
 
 
 def run_folder(base: Path, run_id: str, *, resumed: bool = False) -> RunFolder:

@@ -16,8 +16,13 @@ private trainer attributes, so a new one (Fabric, the Transformers ``Trainer``) 
    with the trainer's loggers mapped to routing targets (``SummaryWriterTarget``,
    ``WandbRunTarget``, ``ScalarTarget`` of ``torchinstruments_core.routing``) on the main
    process only, and ``inject`` the model.
-4. Map the trainer's events. ``begin_step(step, sample=is_sampled(step))`` before a step's first
-   forward, ``end_step()`` once its optimizer step is done. A step that is not one call of the
+4. Map the trainer's events. ``begin_step(step, sample=watch.begin_step(step))`` before a
+   step's first forward, ``end_step()`` once its optimizer step is done, where ``watch`` is
+   the run's ``nonfinite_watch(targets)``, passed to ``sink(..., watch=watch)``: it samples
+   the steps after a non-finite loss or sample densely. Give it the step's loss
+   (``check_loss``, or ``check_logged`` for logged values) and call ``act()`` after the step:
+   true asks the trainer to stop (``on_nonfinite="stop"``), and under ``"raise"`` it raises
+   ``NonFiniteError``. A step that is not one call of the
    model (Lightning's ``training_step`` calls submodules) opens its sample with
    ``open_sample(step)`` and ends the forward with ``finish_forward()``. An adapter that never
    sees the loop counts optimizer steps with ``OptimizerClock``. Under fp16, pass
@@ -30,24 +35,29 @@ private trainer attributes, so a new one (Fabric, the Transformers ``Trainer``) 
 """
 
 from torchinstruments_core._clock import OptimizerClock
-from torchinstruments_core._config import ErrorPolicy, RankPolicy
+from torchinstruments_core._config import ErrorPolicy, NonFinitePolicy, RankPolicy
 from torchinstruments_core._inject import new_run_id
 from torchinstruments_core._numbering import HoldingSink, StepNumbering
 from torchinstruments_core._options import (
     TelemetryOptions,
+    TriggeredSchedule,
     loss_scale_reader,
     run_folder,
 )
+from torchinstruments_core._watch import NonFiniteWatch
 from torchinstruments_core.run_directory import RunFolder
 
 __all__ = [
     "ErrorPolicy",
     "HoldingSink",
+    "NonFinitePolicy",
+    "NonFiniteWatch",
     "OptimizerClock",
     "RankPolicy",
     "RunFolder",
     "StepNumbering",
     "TelemetryOptions",
+    "TriggeredSchedule",
     "loss_scale_reader",
     "new_run_id",
     "run_folder",

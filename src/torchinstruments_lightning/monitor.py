@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from torchinstruments_core import Observer
+    from torchinstruments_core.adapter import NonFiniteWatch
 
 
 @dataclass(eq=False, kw_only=True)
@@ -37,11 +38,21 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     recorded divided by the GradScaler's current scale, i.e. unscaled, as the optimizer sees them
     (``unscale_gradients=False`` records them scaled); ``bf16-mixed`` needs no scaling.
 
+    Non-finite values: the loss a ``training_step`` returns (``outputs["loss"]``, or the
+    tensor itself) is checked at each batch end without waiting for the device and read at the
+    next batch start; a non-finite loss at step ``s`` has steps ``s + 1`` …
+    ``s + sample_after_nonfinite`` sampled. A sampled step with NaN or Inf values is named in
+    the log and the loggers when it is delivered (on the CPU at its own batch end), and the same
+    batch end acts on it: ``on_nonfinite="stop"`` sets ``trainer.should_stop`` (the fit ends
+    after that batch), ``"raise"`` raises ``NonFiniteError`` from ``on_train_batch_end``, which
+    ends the fit; the run directory is finalized either way.
+
     Logged metrics:
         The keys of ``TelemetryOptions``, into ``trainer.loggers`` on global rank 0 at
         ``trainer.global_step``: histograms to TensorBoardLogger (raw histograms) and
         WandbLogger (``wandb.Histogram``, with ``trainer/global_step``), scalars to every logger
-        (CSV, MLflow …). The run directory holds no ``tensorboard/`` when a TensorBoardLogger
+        (CSV, MLflow …); the non-finite message as text to TensorBoardLogger and WandbLogger.
+        The run directory holds no ``tensorboard/`` when a TensorBoardLogger
         already holds the same histograms and scalars (see ``directory_tensorboard``).
 
     Runs and folders:
@@ -91,6 +102,7 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._observer: Observer | None = None
+        self._watch: NonFiniteWatch | None = None
         self._run_directory: Path | None = None
         # The state a checkpoint saves now, and the one restored for the next attach.
         self._state: dict[str, Any] = {}
@@ -147,7 +159,7 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         # The step, not the root forward, is the sampling unit: a training_step may call only
         # submodules, so samples are opened explicitly and root forwards never sample by themselves.
         self._observer.begin_step(step, sample=False)
-        if self.is_sampled(step):
+        if self._watch is not None and self._watch.begin_step(step):
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             self._observer.set_gradient_scale(self.gradient_scale(scaler, pl_module.device))
             self._observer.open_sample(step)
@@ -168,9 +180,12 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if self._observer is not None:
+        if self._observer is not None and self._watch is not None:
+            self._watch.check_loss(outputs.get("loss") if isinstance(outputs, dict) else outputs)
             self._observer.finish_forward()
             self._observer.end_step()
+            if self._watch.act():  # on_nonfinite="stop"; "raise" raises here and ends the fit
+                trainer.should_stop = True
 
     @override
     def on_validation_batch_start(
@@ -288,7 +303,8 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         tensorboard = self.directory_tensorboard
         if tensorboard is None:
             tensorboard = not (self.log_to_loggers and has_tensorboard(trainer.loggers))
-        sink = self.sink(folder, targets, tensorboard=tensorboard)
+        self._watch = self.nonfinite_watch(targets)
+        sink = self.sink(folder, targets, tensorboard=tensorboard, watch=self._watch)
         self._observer = self.inject(
             pl_module, sink=sink, run_id=run_id, first_sample_id=first_sample_id
         )

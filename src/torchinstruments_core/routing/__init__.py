@@ -1,6 +1,6 @@
 """Routing into the loggers a trainer already has: TensorBoard, W&B, and any scalar logger."""
 
-from torchinstruments_core.routing.base import Target, tensor_key
+from torchinstruments_core.routing.base import Target, log_event, tensor_key
 from torchinstruments_core.routing.router import DEFAULT_SCALAR_METRICS, LoggerRouter
 from torchinstruments_core.routing.targets import ScalarTarget, SummaryWriterTarget, WandbRunTarget
 
@@ -11,5 +11,6 @@ __all__ = [
     "SummaryWriterTarget",
     "Target",
     "WandbRunTarget",
+    "log_event",
     "tensor_key",
 ]

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from torchinstruments_core._exceptions import raise_collected
 from torchinstruments_core._signals import RecordKind, tensor_root_of
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Iterable, Mapping
 
     from torchinstruments_core._records import HistogramRecord, SampleRecord
 
@@ -25,6 +26,30 @@ class Target(Protocol):
     ) -> None:
         """Write ``scalars`` and ``histograms`` (by key) at ``step``."""
         ...
+
+
+def log_event(targets: Iterable[Target], key: str, text: str, step: int) -> None:
+    """Put an event (a one-line ``text``) into every target at ``step``.
+
+    Every target gets the scalar ``<key>_onset`` = 1 (so scalar-only loggers such as CSV or
+    MLflow mark the step too); a target with a ``log_text(key, text, step)`` method
+    (TensorBoard, W&B) also gets the text under ``key``.
+
+    Raises:
+        Exception: The one target's own error if one failed (the others still got the event),
+            an ``ExceptionGroup`` of them if several did.
+    """
+    errors: list[Exception] = []
+    for target in targets:
+        try:
+            target.log({f"{key}_onset": 1.0}, {}, step)
+            log_text = getattr(target, "log_text", None)
+            if log_text is not None:
+                log_text(key, text, step)
+        except Exception as error:  # every target gets the event before anything is raised
+            error.add_note(f"raised by the logger target {type(target).__name__}")
+            errors.append(error)
+    raise_collected(errors, f"{len(errors)} logger targets failed at step {step}")
 
 
 def tensor_key(layer: str, call_index: int, signal: str, tensor_path: str) -> str:

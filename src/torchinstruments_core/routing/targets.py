@@ -1,7 +1,12 @@
-"""Built-in targets: a TensorBoard ``SummaryWriter``, a W&B run, a scalar logging function."""
+"""Built-in targets: a TensorBoard ``SummaryWriter``, a W&B run, a scalar logging function.
+
+The first two also take text (``log_text``), for events such as a non-finite onset; a target
+without ``log_text`` receives only the event's scalar (see ``log_event``).
+"""
 
 from __future__ import annotations
 
+import html
 import itertools
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +51,10 @@ class SummaryWriterTarget:
                 global_step=step,
             )
 
+    def log_text(self, key: str, text: str, step: int) -> None:
+        """Write ``text`` as a TensorBoard text summary at ``step`` (the TEXT tab)."""
+        self.writer.add_text(key, text, step)
+
 
 class WandbRunTarget:
     """Scalars and ``wandb.Histogram``s into a W&B run, in one ``log`` call per sample.
@@ -73,6 +82,18 @@ class WandbRunTarget:
         for key, record in histograms.items():
             counts, edges = np.asarray(record.counts), np.asarray(record.edges)
             data[key] = wandb.Histogram(np_histogram=(counts, edges))
+        if self.step_key is None:
+            self.run.log(data, step=step)
+        else:
+            self.run.log({**data, self.step_key: step})
+
+    def log_text(self, key: str, text: str, step: int) -> None:
+        """Write ``text`` as a ``wandb.Html`` under ``key`` at ``step`` (offline runs too)."""
+        try:
+            import wandb
+        except ImportError as error:
+            raise MissingDependencyError("W&B routing needs wandb: pip install wandb") from error
+        data: dict[str, Any] = {key: wandb.Html(f"<pre>{html.escape(text)}</pre>")}
         if self.step_key is None:
             self.run.log(data, step=step)
         else:
