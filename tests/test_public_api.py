@@ -138,6 +138,7 @@ SURFACES: dict[str, list[str]] = {
     "torchinstruments_core.testing": ["RecordingSink", "TensorMemory", "tensor_memory"],
     "torchinstruments_lightning": ["TelemetryMonitor"],
     "torchinstruments_accelerate": ["TelemetryTracker"],
+    "torchinstruments_transformers": ["TelemetryCallback"],
 }
 
 PACKAGES = sorted(name for name in SURFACES if hasattr(importlib.import_module(name), "__path__"))
@@ -225,11 +226,13 @@ def test_the_version_is_the_installed_distributions_everywhere() -> None:
     """Core and adapters report the installed metadata's version, the one in pyproject.toml."""
     import torchinstruments_accelerate
     import torchinstruments_lightning
+    import torchinstruments_transformers
 
     installed = importlib.metadata.version("torchinstruments-suite")
     assert torchinstruments_core.__version__ == installed
     assert torchinstruments_lightning.__version__ == installed
     assert torchinstruments_accelerate.__version__ == installed
+    assert torchinstruments_transformers.__version__ == installed
     assert tomllib.loads(PYPROJECT.read_text())["project"]["version"] == installed
 
 

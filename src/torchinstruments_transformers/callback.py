@@ -1,0 +1,234 @@
+"""``TelemetryCallback``: per-layer telemetry in a Transformers ``Trainer``."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from transformers.integrations.integration_utils import (
+    INTEGRATION_TO_CALLBACK,
+    TensorBoardCallback,
+    WandbCallback,
+)
+from transformers.trainer_callback import CallbackHandler, TrainerCallback, TrainerControl
+from typing_extensions import override
+
+from torchinstruments_core.adapter import RunFolder, TelemetryOptions, run_folder
+from torchinstruments_core.routing import ScalarTarget, SummaryWriterTarget, WandbRunTarget
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch import nn
+    from transformers import TrainerState, TrainingArguments
+
+    from torchinstruments_core import Observer
+    from torchinstruments_core.routing import Target
+
+log = logging.getLogger(__name__)
+
+# WandbCallback logs the Trainer's step under this key; our rows use it too, so they line up.
+WANDB_STEP_KEY = "train/global_step"
+
+
+@dataclass(eq=False, kw_only=True)
+class TelemetryCallback(TrainerCallback, TelemetryOptions):
+    """Samples per-layer statistics of outputs and output gradients every ``every_n_steps`` steps.
+
+    Pass it in ``Trainer(callbacks=[...])``. The forwards and backwards of every
+    ``every_n_steps``-th optimizer step (0, n, 2n …, counted from 0 as ``state.global_step``
+    stands when the step begins) are sampled, one sample per micro-batch under
+    ``gradient_accumulation_steps``, with ``gradient_checkpointing``, ``bf16`` and ``fp16``
+    alike. Each sample carries the step at which the Trainer logs that step's loss: its
+    ``state.global_step`` once the optimizer has stepped (optimizer step ``k`` is logged at
+    ``k + 1``), so the telemetry sits beside ``train/loss`` in every logger. Under ``fp16`` the
+    gradients are recorded divided by the loss scale (``unscale_gradients``).
+
+    Hooks are placed on the model when training starts and removed when it ends, which
+    finalizes the run directory. The Trainer has no hook for an exception: the hooks then stay
+    until the next ``train()`` and the run directory is finalized when the process ends.
+
+    Logged metrics:
+        The keys of ``TelemetryOptions``, on the main process, into the integrations that
+        ``report_to`` enabled: histograms and scalars to TensorBoard (the
+        ``TensorBoardCallback``'s writer) and W&B (the run, with ``train/global_step``),
+        scalars to the other integrations (their ``on_log``). The run directory holds no
+        ``tensorboard/`` when TensorBoard receives the routing.
+
+    Runs and folders:
+        Each ``train()`` is a run with a new ``run_id`` (a resumed one too), so
+        ``(run_id, rank, sample_id)`` is unique across folders. The run directory is
+        ``<args.output_dir>/telemetry`` (or ``output_dir``); ``-<run_id>`` is appended when that
+        folder already holds a run, and a run resumed from a checkpoint writes
+        ``telemetry-resumed-<k>``. Nothing is overwritten; the main process logs the folder.
+
+    It takes every option of ``TelemetryOptions`` by keyword.
+
+    Example::
+
+        trainer = Trainer(model, args, train_dataset=data,
+                          callbacks=[TelemetryCallback(every_n_steps=50)])
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._observer: Observer | None = None
+        self._run_directory: Path | None = None
+        self._routed: CallbackHandler | None = None  # whose integrations receive the samples
+        self._args: TrainingArguments | None = None
+
+    @property
+    def observer(self) -> Observer | None:
+        """The core observer while training (``None`` otherwise and on unobserved ranks)."""
+        return self._observer
+
+    @property
+    def run_directory(self) -> Path | None:
+        """The current or last run's directory (``None`` before it, or without one)."""
+        return self._run_directory
+
+    @override
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._detach()  # a train() that raised left its hooks
+        model: nn.Module = kwargs["model"]
+        main = state.is_world_process_zero
+        resumed = state.global_step > 0
+        folder, run_id = self.agree_on_run(
+            _broadcast if self.rank_policy == "all" else _local,
+            main=main,
+            choose=lambda run_id: self._choose_folder(args, run_id, resumed=resumed),
+        )
+        self._run_directory = folder.path if folder is not None else None
+        if self.observes(main=main):
+            observer = self._inject(args, model, folder, run_id, routes=self.routes(main=main))
+            scaler = getattr(kwargs.get("optimizer"), "scaler", None)  # Accelerate's fp16 scaler
+            observer.set_gradient_scale(self.gradient_scale(scaler, args.device))
+        if folder is not None and main:
+            log.info("TelemetryCallback: run %s, run directory %s", run_id, folder.path)
+        if self.rank_policy == "all" and dist.is_available() and dist.is_initialized():
+            # Every rank holds its sink before any creates its rank-NNN/ (at its first sample).
+            dist.barrier()
+
+    @override
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._observer is not None:
+            step = state.global_step
+            self._observer.begin_step(step + 1, sample=self.is_sampled(step))
+
+    @override
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._observer is None:
+            return
+        self._observer.end_step()
+        if control.should_training_stop or state.global_step >= state.max_steps:
+            # The last samples reach the loggers now: TensorBoard closes its writer first.
+            self._observer.flush()
+
+    @override
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._detach()
+
+    def _inject(
+        self,
+        args: TrainingArguments,
+        model: nn.Module,
+        folder: RunFolder | None,
+        run_id: str,
+        *,
+        routes: bool,
+    ) -> Observer:
+        self._routed = _handler_holding(self, model) if routes else None
+        self._args = args
+        callbacks = self._routed.callbacks if self._routed is not None else []
+        tensorboard = not any(isinstance(cb, TensorBoardCallback) for cb in callbacks)
+        targets: Callable[[], list[Target]] | list[Target] = self._targets if routes else []
+        sink = self.sink(folder, targets, tensorboard=tensorboard)
+        self._observer = self.inject(model, sink=sink, run_id=run_id)
+        return self._observer
+
+    def _targets(self) -> list[Target]:
+        # Looked up at each write: a writer opens at train begin and closes at train end.
+        if self._routed is None or self._args is None:
+            return []
+        return integration_targets(self._routed.callbacks, self._args)
+
+    def _detach(self) -> None:
+        self._routed = None
+        observer, self._observer = self._observer, None
+        if observer is not None:
+            observer.remove()
+
+    def _choose_folder(self, args: TrainingArguments, run_id: str, *, resumed: bool) -> RunFolder:
+        base = Path(self.output_dir or Path(str(args.output_dir)) / "telemetry")
+        return run_folder(base.absolute(), run_id, resumed=resumed)
+
+
+def integration_targets(callbacks: list[TrainerCallback], args: TrainingArguments) -> list[Target]:
+    """TensorBoard and W&B take histograms and scalars; the other integrations scalars."""
+    others = tuple(INTEGRATION_TO_CALLBACK.values())
+    targets: list[Target] = []
+    for callback in callbacks:
+        if isinstance(callback, TensorBoardCallback):
+            if callback.tb_writer is not None:
+                targets.append(SummaryWriterTarget(callback.tb_writer))
+        elif isinstance(callback, WandbCallback):
+            import wandb  # present: WandbCallback imports it
+
+            if wandb.run is not None:
+                targets.append(WandbRunTarget(wandb.run, step_key=WANDB_STEP_KEY))
+        elif isinstance(callback, others):
+            targets.append(ScalarTarget(_on_log(callback, args)))
+    return targets
+
+
+def _on_log(
+    callback: TrainerCallback, args: TrainingArguments
+) -> Callable[[dict[str, float], int], Any]:
+    """An integration's ``on_log``, at the sample's step instead of the Trainer's current one."""
+    from transformers import TrainerState
+
+    def log_metrics(metrics: dict[str, float], step: int) -> Any:
+        return callback.on_log(args, TrainerState(global_step=step), TrainerControl(), logs=metrics)
+
+    return log_metrics
+
+
+def _handler_holding(callback: TelemetryCallback, model: nn.Module) -> CallbackHandler | None:
+    """The Trainer's ``CallbackHandler`` holding ``callback`` for ``model``.
+
+    Callbacks are not given the Trainer nor each other, so the garbage collector's list of
+    objects is searched, once per ``train()``.
+    """
+    for candidate in gc.get_objects():
+        if (
+            type(candidate) is CallbackHandler
+            and candidate.model is model
+            and any(cb is callback for cb in candidate.callbacks)
+        ):
+            return candidate
+    return None
+
+
+def _broadcast(value: Any) -> Any:
+    """The main process's ``value`` on every process (a collective where one is running)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _local(value: Any) -> Any:
+    return value
