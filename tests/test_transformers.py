@@ -47,11 +47,10 @@ def _train(
     model: Any = None,
     **options: Any,
 ) -> Any:
-    options = {"save_strategy": "no", **options}
+    options = {"save_strategy": "no", "logging_steps": 1, **options}
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"),
         max_steps=max_steps,
-        logging_steps=1,
         report_to=report_to or [],
         use_cpu=True,
         per_device_train_batch_size=2,
@@ -79,12 +78,13 @@ def test_tensorboard_holds_the_telemetry_at_the_global_step_of_the_sampled_steps
 ) -> None:
     """Histograms and scalars land in the TensorBoardCallback's event file at ``global_step``.
 
-    Four optimizer steps with ``every_n_steps=2``: steps 0 and 2 are sampled; the Trainer logs
-    their losses at global steps 1 and 3, and the telemetry sits at exactly those steps, in the
+    Four optimizer steps with ``every_n_steps=3``: global steps 1 (the first) and 3 are sampled;
+    the Trainer logs their losses at global steps 1 and 3, and the telemetry sits at exactly
+    those steps, in the
     same event file as ``train/loss``. The run directory is under ``args.output_dir`` and holds
     no ``tensorboard/`` of its own.
     """
-    telemetry = TelemetryCallback(every_n_steps=2)
+    telemetry = TelemetryCallback(every_n_steps=3)
     trainer = _train(tmp_path, telemetry, report_to=["tensorboard"])
     assert _loss_steps(trainer) == [1, 2, 3, 4]
     (events_dir,) = (tmp_path / "out" / "runs").iterdir()
@@ -108,14 +108,14 @@ def test_wandb_offline_rows_hold_the_telemetry_beside_the_loss(
     """The offline ``.wandb`` file holds our histograms at ``train/global_step`` 1 and 3.
 
     The WandbCallback logs the loss of optimizer step k with ``train/global_step`` k + 1; our rows
-    carry the same key and value for the sampled steps 0 and 2.
+    carry the same key and value for the sampled global steps 1 and 3.
     """
     import wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    telemetry = TelemetryCallback(every_n_steps=2)
+    telemetry = TelemetryCallback(every_n_steps=3)
     _train(tmp_path, telemetry, report_to=["wandb"])
     wandb.finish()
     wandb.teardown()  # without it the offline file holds only its header
@@ -146,7 +146,7 @@ def test_each_micro_batch_of_a_sampled_step_is_a_sample_at_its_global_step(
     with the step's output gradients measured, and all carry the global step at which the Trainer
     logged that step's loss; checkpointing's recomputed forwards add no samples.
     """
-    telemetry = TelemetryCallback(every_n_steps=2)
+    telemetry = TelemetryCallback(every_n_steps=3)
     trainer = _train(tmp_path, telemetry, **options)
     assert _loss_steps(trainer) == [1, 2, 3, 4]
     micro_batches = options.get("gradient_accumulation_steps", 1)
@@ -168,8 +168,8 @@ def test_a_resumed_run_gets_a_new_run_id_and_folder_and_continues_the_schedule(
 ) -> None:
     """Resuming from ``checkpoint-2`` starts a new run in ``telemetry-resumed-1``.
 
-    The first ``train()`` samples step 0 (global step 1) and saves at global step 2; the resumed
-    one samples steps 2 and 4 (global steps 3 and 5) on the same schedule, under a new run id, so
+    The first ``train()`` samples global steps 1 and 2 and saves at global step 2; the resumed
+    one samples global step 4 on the same schedule (multiples of 2), under a new run id, so
     ``(run_id, rank, sample_id)`` stays unique across both folders.
     """
     first = TelemetryCallback(every_n_steps=2)
@@ -181,7 +181,7 @@ def test_a_resumed_run_gets_a_new_run_id_and_folder_and_continues_the_schedule(
     assert _loss_steps(trainer) == [1, 2, 3, 4, 5]  # the checkpoint's history, then ours
     assert second.run_directory == (tmp_path / "out" / "telemetry-resumed-1").absolute()
     both = pl.concat([_samples(first.run_directory), _samples(second.run_directory)])
-    assert both["step"].to_list() == [1, 3, 5]
+    assert both["step"].to_list() == [1, 2, 4]
     assert both["run_id"].n_unique() == 2
     assert both.select("run_id", "rank", "sample_id").is_unique().all()
 
@@ -225,7 +225,7 @@ def test_other_integrations_get_the_scalars_at_the_global_step(
 
     monkeypatch.setitem(INTEGRATION_TO_CALLBACK, "recording", RecordingIntegration)
     integration, bystander = RecordingIntegration(), Recorder()
-    telemetry = TelemetryCallback(every_n_steps=2)
+    telemetry = TelemetryCallback(every_n_steps=3)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=4, logging_steps=1, report_to=[],
         use_cpu=True, save_strategy="no", per_device_train_batch_size=2, disable_tqdm=True,
@@ -243,3 +243,38 @@ def test_other_integrations_get_the_scalars_at_the_global_step(
     assert [step for step, logs in integration.logs if "loss" in logs] == [1, 2, 3, 4]
     assert [step for step, logs in bystander.logs if "loss" in logs] == [1, 2, 3, 4]
     assert not any(GRADIENT_RMS in logs for _, logs in bystander.logs)
+
+
+def test_sampled_steps_fall_on_the_trainers_loss_logs(tmp_path: pathlib.Path) -> None:
+    """With ``logging_steps`` dividing ``every_n_steps`` every loss log has the telemetry beside it.
+
+    The sampled steps are the first and the multiples of n.
+    """
+    telemetry = TelemetryCallback(every_n_steps=2)
+    trainer = _train(tmp_path, telemetry, max_steps=6, logging_steps=2, report_to=["tensorboard"])
+    assert _loss_steps(trainer) == [2, 4, 6]
+    assert _samples(telemetry.run_directory)["step"].to_list() == [1, 2, 4, 6]
+
+
+def test_a_non_finite_step_stops_training_under_on_nonfinite_stop(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A NaN from the third step on: the warning names where it began, and training stops there.
+
+    The poisoned output is the MLP block's (not a leaf): the first observed layer after it, the
+    next block's first LayerNorm, is named as where it started (or in unobserved code before it).
+    """
+    model = _model()
+    calls = {"n": 0}
+
+    def poison(module: Any, args: Any, output: Any) -> Any:
+        calls["n"] += 1
+        return output * float("nan") if calls["n"] >= 3 else output
+
+    model.transformer.h[0].mlp.register_forward_hook(poison)
+    telemetry = TelemetryCallback(every_n_steps=1, on_nonfinite="stop")
+    with caplog.at_level("WARNING", logger="torchinstruments"):
+        trainer = _train(tmp_path, telemetry, max_steps=6, model=model)
+    assert trainer.state.global_step == 3
+    warnings = [r.getMessage() for r in caplog.records if r.name == "torchinstruments"]
+    assert any("forward: first at 'transformer.h.1.ln_1' output" in m for m in warnings)

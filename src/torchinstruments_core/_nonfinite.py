@@ -6,10 +6,12 @@ were measured, which is the execution order: outputs as the forward called the m
 gradients as the backward reached them. So the first non-finite output is the first row with a
 positive fraction, and likewise for the output gradients.
 
-A layer *started* the non-finite values when its input, the tensor that execution reached it
-with, was finite: the previous observed output in the forward, the previous observed output
-gradient in the backward. The first tensor of each pass has no observed input (the batch, the
-gradient of the loss), so whether it started them is not known (``started`` is ``None``).
+A layer *started* the non-finite values when the tensor observed before it was finite: the
+previous observed output in the forward, the previous observed output gradient in the backward.
+Code between two observed modules (a residual add, a functional call, a hook) is not observed,
+so "started there" also covers values that turned non-finite just before the layer. The first
+tensor of each pass has no observed input (the batch, the gradient of the loss), so whether it
+started them is not known (``started`` is ``None``).
 
 Example:
     >>> from torchinstruments_core import SampleRecord, Signal, StatRow
@@ -70,7 +72,10 @@ class NonFiniteTensor:
         if self.started is None:
             how = f"the first observed tensor of its pass; {source} is not observed"
         elif self.started:
-            how = f"started there: {source} was finite"
+            # What runs between two observed modules (a residual add, a functional call) is not
+            # observed: the values may have turned non-finite there, just before this layer.
+            how = "started there, or in unobserved code just before it: the tensor observed "
+            how += "before it was finite"
         else:
             how = f"passed on: {source} was already non-finite"
         return f"{where} {what}, {self.fraction:.0%} non-finite ({how})"

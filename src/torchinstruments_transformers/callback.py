@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from transformers import TrainerState, TrainingArguments
 
     from torchinstruments_core import Observer
+    from torchinstruments_core.adapter import NonFiniteWatch
     from torchinstruments_core.routing import Target
 
 log = logging.getLogger(__name__)
@@ -39,14 +40,15 @@ WANDB_STEP_KEY = "train/global_step"
 class TelemetryCallback(TrainerCallback, TelemetryOptions):
     """Samples per-layer statistics of outputs and output gradients every ``every_n_steps`` steps.
 
-    Pass it in ``Trainer(callbacks=[...])``. The forwards and backwards of every
-    ``every_n_steps``-th optimizer step (0, n, 2n …, counted from 0 as ``state.global_step``
-    stands when the step begins) are sampled, one sample per micro-batch under
-    ``gradient_accumulation_steps``, with ``gradient_checkpointing``, ``bf16`` and ``fp16``
-    alike. Each sample carries the step at which the Trainer logs that step's loss: its
-    ``state.global_step`` once the optimizer has stepped (optimizer step ``k`` is logged at
-    ``k + 1``), so the telemetry sits beside ``train/loss`` in every logger. Under ``fp16`` the
-    gradients are recorded divided by the loss scale (``unscale_gradients``).
+    Pass it in ``Trainer(callbacks=[...])``. Each optimizer step is numbered as the Trainer logs
+    its loss: by ``state.global_step`` once the optimizer has stepped (the first step is 1). The
+    first step and every step whose number is a multiple of ``every_n_steps`` (n, 2n …) are
+    sampled, so with ``logging_steps`` a divisor of ``every_n_steps`` the telemetry sits at the
+    steps of the Trainer's own ``train/loss`` logs, in every logger. One sample per micro-batch
+    under ``gradient_accumulation_steps``, with ``gradient_checkpointing``, ``bf16`` and ``fp16``
+    alike. A non-finite sample or logged loss is handled as ``on_nonfinite`` says ("stop" sets
+    ``control.should_training_stop``) and the following steps are sampled densely. Under
+    ``fp16`` the gradients are recorded divided by the loss scale (``unscale_gradients``).
 
     Hooks are placed on the model when training starts and removed when it ends, which
     finalizes the run directory. The Trainer has no hook for an exception: the hooks then stay
@@ -80,6 +82,7 @@ class TelemetryCallback(TrainerCallback, TelemetryOptions):
         self._run_directory: Path | None = None
         self._routed: CallbackHandler | None = None  # whose integrations receive the samples
         self._args: TrainingArguments | None = None
+        self._watch: NonFiniteWatch | None = None
 
     @property
     def observer(self) -> Observer | None:
@@ -119,9 +122,12 @@ class TelemetryCallback(TrainerCallback, TelemetryOptions):
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._observer is not None:
-            step = state.global_step
-            self._observer.begin_step(step + 1, sample=self.is_sampled(step))
+        if self._observer is not None and self._watch is not None:
+            # Numbered as the Trainer logs it (after the optimizer step): the first step, and
+            # every one whose logged step is a multiple of n, like logging_steps' loss logs.
+            step = state.global_step + 1
+            sampled = self._watch.begin_step(step) or step == 1
+            self._observer.begin_step(step, sample=sampled)
 
     @override
     def on_step_end(
@@ -130,9 +136,23 @@ class TelemetryCallback(TrainerCallback, TelemetryOptions):
         if self._observer is None:
             return
         self._observer.end_step()
+        if self._watch is not None and self._watch.act():  # on_nonfinite: "raise" raises here
+            control.should_training_stop = True
         if control.should_training_stop or state.global_step >= state.max_steps:
             # The last samples reach the loggers now: TensorBoard closes its writer first.
             self._observer.flush()
+
+    @override
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if self._watch is not None and logs:
+            self._watch.check_logged(logs)  # a non-finite loss samples the next steps densely
 
     @override
     def on_train_end(
@@ -154,7 +174,8 @@ class TelemetryCallback(TrainerCallback, TelemetryOptions):
         callbacks = self._routed.callbacks if self._routed is not None else []
         tensorboard = not any(isinstance(cb, TensorBoardCallback) for cb in callbacks)
         targets: Callable[[], list[Target]] | list[Target] = self._targets if routes else []
-        sink = self.sink(folder, targets, tensorboard=tensorboard)
+        self._watch = self.nonfinite_watch(targets)
+        sink = self.sink(folder, targets, tensorboard=tensorboard, watch=self._watch)
         self._observer = self.inject(model, sink=sink, run_id=run_id)
         return self._observer
 
