@@ -27,9 +27,10 @@ class FabricTelemetry(TelemetryOptions):
     """Samples per-layer statistics of outputs and output gradients every ``every_n_steps`` steps.
 
     Pass it in ``Fabric(callbacks=[...])``: ``fabric.setup(model, optimizer)`` calls its
-    ``on_after_setup`` on every process, which watches that model (the first one set up; for a
-    model set up with ``fabric.setup_module``, or a Fabric older than 2.6, call
-    ``watch(model, fabric)`` on every process instead). The training loop stays as it is.
+    ``on_after_setup`` on every process, which watches that model (the first one set up). After
+    ``fabric.setup_module`` (which calls no hook), or under a Fabric release whose ``setup`` does
+    not call this hook (2.6.6 does), call ``watch(model, fabric)`` on every process instead. The
+    training loop stays as it is.
 
     Steps: the optimizer steps are counted from the optimizer itself (the core's
     ``OptimizerClock``), alike on every process: one tick per ``optimizer.step()``, so under
