@@ -136,7 +136,7 @@ SURFACES: dict[str, list[str]] = {
     ],
     "torchinstruments_core.sinks": ["MultiSink", "Sink"],
     "torchinstruments_core.testing": ["RecordingSink", "TensorMemory", "tensor_memory"],
-    "torchinstruments_lightning": ["TelemetryMonitor"],
+    "torchinstruments_lightning": ["FabricTelemetry", "TelemetryMonitor"],
     "torchinstruments_accelerate": ["TelemetryTracker"],
     "torchinstruments_transformers": ["TelemetryCallback"],
 }

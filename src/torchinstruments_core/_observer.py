@@ -27,6 +27,8 @@ import warnings
 from typing import TYPE_CHECKING
 
 from torchinstruments_core import _process
+from torchinstruments_core._config import check_positive_int
+from torchinstruments_core._exceptions import ConfigurationError
 from torchinstruments_core._failures import FailureReport
 from torchinstruments_core._lifecycle import SampleLifecycle
 from torchinstruments_core._observer_config import ObserverConfig
@@ -59,6 +61,7 @@ class Observer:
         self._model: nn.Module | None = model
         self._model_class = type(model).__qualname__
         self._config = config
+        self._first_sample_id = config.first_sample_id
         self._layers: list[Layer] = config.layers
         failures = FailureReport(config.error_policy)
         self._gate = RankGate(config.rank_policy)
@@ -118,6 +121,23 @@ class Observer:
             stacklevel=2,
         )
         return self.next_sample_id
+
+    def continue_from(self, next_sample_id: int) -> None:
+        """Give the first record the id ``next_sample_id``, as ``first_sample_id`` would have.
+
+        For an adapter that learns that its run resumes an earlier one only after it attached
+        (Fabric restores a checkpoint after ``fabric.setup``). Only before the first record.
+
+        Raises:
+            ConfigurationError: ``next_sample_id`` is negative, or a record was already taken.
+        """
+        first = check_positive_int("next_sample_id", next_sample_id, minimum=0)
+        if self._samples.next_sample_id != self._first_sample_id:
+            raise ConfigurationError(
+                "continue_from() after a record was taken would repeat or skip sample ids; "
+                "call it before the first sampled forward"
+            )
+        self._samples.next_sample_id = self._first_sample_id = first
 
     @property
     def training_forwards(self) -> int:

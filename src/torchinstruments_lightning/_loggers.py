@@ -1,10 +1,15 @@
-"""Map a trainer's loggers to the core's routing targets and to the run's name."""
+"""Map a trainer's loggers to the core's routing targets and to the run's name.
+
+Lightning's loggers derive from Fabric's (``lightning.fabric.loggers``), so one mapping serves the
+``Trainer`` and ``Fabric``: TensorBoardLogger is Fabric's class, the base of the Trainer's.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+from lightning.fabric.loggers.tensorboard import TensorBoardLogger
+from lightning.pytorch.loggers import WandbLogger
 
 from torchinstruments_core.routing import ScalarTarget, SummaryWriterTarget, WandbRunTarget
 from torchinstruments_core.run_directory import safe_name
@@ -12,7 +17,7 @@ from torchinstruments_core.run_directory import safe_name
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from lightning.pytorch.loggers import Logger
+    from lightning.fabric.loggers.logger import Logger
 
     from torchinstruments_core.routing import Target
 
