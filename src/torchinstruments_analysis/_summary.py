@@ -38,7 +38,8 @@ def summary(
     each signal and metric, ``<signal>_<metric>`` is the mean over the samples, except
     ``nonfinite_fraction``, whose column is the largest fraction seen; every metric that is not
     a fraction also gets ``<signal>_<metric>_early`` and ``…_recent``, its mean over the first
-    and the last tenth of the layer's samples. When the run holds step records with
+    and the last tenth of the rank's samples (of those asked about: ``steps`` narrows them;
+    a layer not measured in a tenth has null there). When the run holds step records with
     ``update_to_weight``, the columns ``update_to_weight`` (mean over the layer's parameters
     and steps), ``update_to_weight_early`` and ``…_recent`` follow; without such rows they are
     absent. A column of a signal or metric the run never measured holds nulls.
@@ -56,9 +57,8 @@ def summary(
     rows = select(run, layers=layers, ranks=ranks, steps=steps)
     measured = rows.filter(pl.col("signal").is_in(signals), pl.col("metric").is_in(metrics))
     updates = rows.filter(pl.col("metric") == UPDATE_TO_WEIGHT)
-    per_tensor, per_update = pl.collect_all(
-        [_statistics(measured, _KEYS), _statistics(updates, ("rank", "layer"))]
-    )
+    per_tensor = _statistics(measured, _KEYS)
+    per_update = _statistics(updates, ("rank", "layer"))
     wide = _wide(per_tensor, signals, metrics)
     if per_update.height:
         wide = wide.join(_updates(per_update), on=["rank", "layer"], how="left")
@@ -67,15 +67,30 @@ def summary(
     return in_execution_order(run, wide, "call_index", "tensor_path")
 
 
-def _statistics(rows: pl.LazyFrame, keys: Sequence[str]) -> pl.LazyFrame:
-    sample = pl.col("sample_id")
-    value = pl.col("value")
-    return rows.group_by(*keys, "signal", "metric").agg(
-        samples=sample.n_unique(),
-        mean=value.mean(),
-        max=value.max(),
-        early=value.filter(sample <= sample.quantile(_TENTH, "lower")).mean(),
-        recent=value.filter(sample >= sample.quantile(1 - _TENTH, "higher")).mean(),
+def _statistics(rows: pl.LazyFrame, keys: Sequence[str]) -> pl.DataFrame:
+    sample, value = pl.col("sample_id"), pl.col("value")
+    # The first and last tenth of each rank's samples in the rows asked about, collected on
+    # their own: in one query with the aggregation below the scan would be shared, and cached
+    # whole in memory. The aggregation is then plain sums the streaming engine runs in bounded
+    # memory (n_unique would hold every sample id of every group).
+    tenths = (
+        rows.select("rank", "sample_id")
+        .unique()
+        .group_by("rank")
+        .agg(first=sample.quantile(_TENTH, "lower"), last=sample.quantile(1 - _TENTH, "higher"))
+        .collect(engine="streaming")
+    )
+    marked = rows.join(tenths.lazy(), on="rank", how="left")
+    return (
+        marked.group_by(*keys, "signal", "metric")
+        .agg(
+            samples=pl.len(),  # one row per sample and tensor
+            mean=value.mean(),
+            max=value.max(),
+            early=pl.when(sample <= pl.col("first")).then(value).mean(),
+            recent=pl.when(sample >= pl.col("last")).then(value).mean(),
+        )
+        .collect(engine="streaming")
     )
 
 
