@@ -119,8 +119,8 @@ def test_first_nonfinite_is_empty_for_a_healthy_run(runs):
     assert "started" in found.columns
 
 
-def _long_rows(sample, layer, signal, *, fraction):
-    base = {"run_id": "h", "rank": 0, "sample_id": sample, "step": None, "timestamp": None}
+def _long_rows(sample, layer, signal, *, fraction, rank=0):
+    base = {"run_id": "h", "rank": rank, "sample_id": sample, "step": None, "timestamp": None}
     base |= {"layer": layer, "call_index": 0, "signal": signal, "tensor_path": "output"}
     return [
         base | {"metric": "nonfinite_fraction", "value": fraction, "unavailable_reason": None},
@@ -188,3 +188,26 @@ def test_ranks_is_empty_for_one_rank_and_infinite_for_a_zero(tmp_path):
     assert ranks(open_run(tmp_path / "one")).height == 0
     write_rank_folders(tmp_path / "two", {0: [0.0], 1: [1.0]}, ["a"])
     assert math.isinf(ranks(open_run(tmp_path / "two"))["max_ratio"][0])
+
+
+def test_first_nonfinite_answers_per_rank(tmp_path):
+    """Each rank gets its own first sample: rank 1 broke at sample 1, rank 0 at sample 2."""
+    for rank, broken in ((0, 2), (1, 1)):
+        folder = tmp_path / f"rank-{rank:03d}"
+        folder.mkdir()
+        rows = [
+            row
+            for sample in range(3)
+            for layer in ("a", "b")
+            for row in _long_rows(
+                sample,
+                layer,
+                "output",
+                fraction=1.0 if sample >= broken and layer == "b" else 0.0,
+                rank=rank,
+            )
+        ]
+        pl.DataFrame(rows, schema=history_schema()).write_parquet(folder / "history.parquet")
+    found = first_nonfinite(open_run(tmp_path))
+    assert found.select("rank", "sample_id", "layer").rows() == [(0, 2, "b"), (1, 1, "b")]
+    assert found["started"].to_list() == [True, True]

@@ -28,24 +28,42 @@ def test_a_finished_run_reads_history_parquet_with_layers_in_execution_order(tmp
     assert run.samples.collect()["sample_id"].to_list() == [0, 1, 2]
 
 
+class _Reversed(torch.nn.Module):
+    """Defines ``late`` before ``early`` but runs ``early`` first."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = torch.nn.Linear(4, 4)
+        self.early = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.late(self.early(x))
+
+
 def test_execution_order_comes_from_result_json_not_from_model_order(tmp_path):
     """Layers are listed in the order the forward ran them, which is not the model's order."""
-
-    class Reversed(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.late = torch.nn.Linear(4, 4)
-            self.early = torch.nn.Linear(4, 4)
-
-        def forward(self, x):
-            return self.late(self.early(x))
-
-    model = Reversed()
+    model = _Reversed()
     with inject_observer(model, sampler=EveryNForwardsSampler(1), output_dir=tmp_path / "r"):
         model(torch.randn(2, 4)).sum().backward()
     result = json.loads((tmp_path / "r" / "result.json").read_text())
     assert [layer["name"] for layer in result["layers"]] == ["early", "late"]
     assert open_run(tmp_path / "r").layers == ("early", "late")
+
+
+def test_a_live_run_takes_execution_order_from_its_first_sample(tmp_path):
+    """While running, result.json lists the model's order; the chunks give the forward's."""
+    model = _Reversed()
+    sink = RunDirectorySink(tmp_path / "live", flush_seconds=0.1, tensorboard=False)
+    observer = inject_observer(model, sampler=EveryNForwardsSampler(1), sink=sink)
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+        observer.flush()
+        _chunks_of(tmp_path / "live", samples=1)
+        result = json.loads((tmp_path / "live" / "result.json").read_text())
+        assert [layer["name"] for layer in result["layers"]] == ["late", "early"]
+        assert open_run(tmp_path / "live").layers == ("early", "late")
+    finally:
+        remove_observer(observer)
 
 
 def test_a_live_run_reads_its_chunks_and_says_it_is_not_complete(tmp_path):
