@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -145,3 +148,39 @@ def test_the_package_exports_a_sorted_surface_that_resolves():
         assert getattr(torchinstruments_analysis, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         _ = torchinstruments_analysis.nothing
+
+
+@pytest.mark.slow
+def test_a_killed_run_is_read_from_its_chunks(tmp_path):
+    """A process that dies without finalizing leaves chunks: they are read, complete is false."""
+    code = f"""
+import os, sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import torch
+from analysis_runs import blowup_model, run_step
+from torchinstruments_core import EveryNForwardsSampler, inject_observer
+from torchinstruments_core.run_directory import RunDirectorySink
+model = blowup_model()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+sink = RunDirectorySink({str(tmp_path / "killed")!r}, flush_seconds=0.1, tensorboard=False)
+observer = inject_observer(model, sampler=EveryNForwardsSampler(1), sink=sink)
+for _ in range(4):
+    run_step(model, optimizer)
+observer.flush()
+parts = {str(tmp_path / "killed" / "history.parts")!r}
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:  # the writer flushes every 0.1 s; wait for all 4 samples
+    import polars as pl
+    chunks = sorted(os.path.join(parts, n) for n in os.listdir(parts) if n.startswith("history-"))
+    if chunks and pl.read_parquet(chunks)["sample_id"].n_unique() == 4:
+        break
+    time.sleep(0.05)
+os._exit(0)  # no finalization: what a kill leaves
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert not (tmp_path / "killed" / "history.parquet").exists()
+    run = open_run(tmp_path / "killed")
+    assert not run.complete
+    assert run.status == "running"
+    assert run.history.select("sample_id").unique().collect().height == 4
+    assert run.layers == ("0", "1", "2", "3", "4")
