@@ -434,32 +434,39 @@ def gradient_steps(context: _Context) -> list[Finding]:
     return found
 
 
-def _early_recent(rows: pl.DataFrame, window: int) -> pl.DataFrame:
-    """Per tensor: mean of its first and last ``window`` values and its last sample."""
+def _drifts(rows: pl.DataFrame, window: int, factor: float, *, both_ways: bool) -> pl.DataFrame:
+    """Per tensor whose recent mean moved beyond ``factor`` times its early mean: the onset.
+
+    The onset is the first sample where the value itself went beyond ``factor`` times the early
+    mean; the row carries ``early``, ``recent`` and ``ratio`` (recent over early). Early: the
+    first ``window`` values; recent: the last ``window`` (a tensor needs ``2 * window``).
+    """
     import polars as pl
 
-    return (
+    index, count = pl.col("_i"), pl.col("_n")
+    per_tensor = (
         rows.sort("sample_id")
-        .group_by(_KEYS)
-        .agg(
-            early=pl.col("value").head(window).mean(),
-            recent=pl.col("value").tail(window).mean(),
-            sample_id=pl.col("sample_id").last(),
-            step=pl.col("step").last(),
-            _n=pl.len(),
+        .with_columns(_i=pl.int_range(pl.len()).over(_KEYS), _n=pl.len().over(_KEYS))
+        .with_columns(
+            early=pl.col("value").filter(index < window).mean().over(_KEYS),
+            recent=pl.col("value").filter(index >= count - window).mean().over(_KEYS),
         )
-        .filter((pl.col("_n") >= 2 * window) & (pl.col("early") > 0))
-        .with_columns(ratio=pl.col("recent") / pl.col("early"))
+        .filter((count >= 2 * window) & (pl.col("early") > 0))
+        .with_columns(
+            ratio=pl.col("recent") / pl.col("early"), now=pl.col("value") / pl.col("early")
+        )
     )
+    up = (pl.col("ratio") > factor) & (pl.col("now") > factor)
+    down = (pl.col("ratio") < 1 / factor) & (pl.col("now") < 1 / factor)
+    moved = per_tensor.filter((up | down) if both_ways else up)
+    return moved.group_by(_KEYS, maintain_order=True).first()
 
 
 def gradient_growth(context: _Context) -> list[Finding]:
     """Output-gradient rms of the last samples ``gradient_growth_factor`` times the first ones."""
-    import polars as pl
-
     t = context.thresholds
     factor = t.gradient_growth_factor
-    drift = _early_recent(_values(context, "output_gradient", "rms"), t.window)
+    rows = _values(context, "output_gradient", "rms")
     return [
         _finding(
             Rule.GRADIENT_GROWTH,
@@ -469,20 +476,17 @@ def gradient_growth(context: _Context) -> list[Finding]:
             factor,
             f"the output-gradient rms of {row['layer']} grew {row['ratio']:.3g} times (beyond "
             f"{factor:g}x) from its first {t.window} samples ({row['early']:.3g}) to its last "
-            f"{t.window} ({row['recent']:.3g}), up to {_where(row, context)}",
+            f"{t.window} ({row['recent']:.3g}); first beyond at {_where(row, context)}",
         )
-        for row in drift.filter(pl.col("ratio") > factor).iter_rows(named=True)
+        for row in _drifts(rows, t.window, factor, both_ways=False).iter_rows(named=True)
     ]
 
 
 def scale_drift(context: _Context) -> list[Finding]:
     """Output rms of the last samples ``scale_drift_factor`` times larger or smaller."""
-    import polars as pl
-
     t = context.thresholds
     factor = t.scale_drift_factor
-    drift = _early_recent(_values(context, "output", "rms"), t.window)
-    moved = (pl.col("ratio") > factor) | (pl.col("ratio") < 1 / factor)
+    rows = _values(context, "output", "rms")
     return [
         _finding(
             Rule.SCALE_DRIFT,
@@ -492,9 +496,10 @@ def scale_drift(context: _Context) -> list[Finding]:
             factor,
             f"the output rms of {row['layer']} moved {row['ratio']:.3g} times (beyond "
             f"{factor:g}x either way) from its first {t.window} samples ({row['early']:.3g}) "
-            f"to its last {t.window} ({row['recent']:.3g}), up to {_where(row, context)}",
+            f"to its last {t.window} ({row['recent']:.3g}); first beyond at "
+            f"{_where(row, context)}",
         )
-        for row in drift.filter(moved).iter_rows(named=True)
+        for row in _drifts(rows, t.window, factor, both_ways=True).iter_rows(named=True)
     ]
 
 
