@@ -168,10 +168,13 @@ class _RichView:
         self._live.update(self._render(snapshot), refresh=True)
 
     def _render(self, snapshot: Snapshot) -> Any:
+        if snapshot.findings is None or snapshot.findings.height == 0:
+            found = "" if snapshot.findings is None else "\nno findings"
+            return self._text(snapshot.status + found)
         table = self._table(title=self._text(snapshot.status), title_justify="left", expand=True)
         for column in ("rule", "layer", "signal", "sample", "value", "threshold"):
             table.add_column(column, no_wrap=column != "layer")
-        for row in [] if snapshot.findings is None else snapshot.findings.iter_rows(named=True):
+        for row in snapshot.findings.iter_rows(named=True):
             value = "" if row["value"] is None else f"{row['value']:.3g}"
             cells = [row["rule"], escape_text(row["layer"]), row["signal"], str(row["sample_id"])]
             table.add_row(*[self._text(c) for c in [*cells, value, f"{row['threshold']:.3g}"]])
