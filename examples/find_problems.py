@@ -58,13 +58,13 @@ class Variant(StrEnum):
     FIXED = "fixed"
 
 
-# the rule that names each fault and the layer it names first
+# the rule that names each fault and the layer it names first (gradients: in backward order)
 EXPECTED: dict[Fault, tuple[Rule, str]] = {
     Fault.DEAD_RELU: (Rule.DEAD_UNITS, "relu2"),
     Fault.SIGMOID_SATURATION: (Rule.SATURATION, "sigmoid"),
     Fault.GROWING_SCALE: (Rule.SCALE_DRIFT, "gain"),
     Fault.INVALID_LOG: (Rule.NONFINITE_ONSET, "log"),
-    Fault.DETACHED_BRANCH: (Rule.GRADIENT_LOST, "branch_b.0"),
+    Fault.DETACHED_BRANCH: (Rule.GRADIENT_LOST, "branch_b.1"),
 }
 
 
@@ -178,24 +178,31 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/find_problems"))
     parser.add_argument("--fault", choices=[f.value for f in Fault], action="append")
     args = parser.parse_args()
-    try:
-        from torchinstruments_analysis.plots import report
-    except ImportError:  # pragma: no cover - plots need matplotlib
-        report = None
     print("learning-rate fault skipped: the update signal (update_to_weight) is not recorded yet")
     for fault in [Fault(f) for f in args.fault or Fault]:
-        for variant in Variant:
-            run_dir = record(fault, variant, args.out)
+        runs = {variant: record(fault, variant, args.out) for variant in Variant}
+        for variant, run_dir in runs.items():
             findings = find(open_run(run_dir))
             print(f"\n== {fault} / {variant}: {findings.height} findings ({run_dir})")
             for row in findings.iter_rows(named=True):
                 print(f"  [{row['rule']}] {row['message']}")
-            if report is not None:
-                try:
-                    folder = report(open_run(run_dir), run_dir / "report")
-                    print(f"  report: {folder / 'index.md'}")
-                except ImportError as error:
-                    print(f"  no plots: {error}")
+        write_plots(fault, runs, args.out / fault)
+
+
+def write_plots(fault: Fault, runs: dict[Variant, Path], out: Path) -> None:
+    """A report folder for the broken run and baseline against broken side by side."""
+    from torchinstruments_analysis.plots import plot, report
+
+    rule, _ = EXPECTED[fault]
+    signal, metric = ("output", "zero_fraction") if rule is Rule.DEAD_UNITS else ("output", "rms")
+    try:
+        folder = report(open_run(runs[Variant.BROKEN]), out / "report")
+        pair = [open_run(runs[Variant.BASELINE]), open_run(runs[Variant.BROKEN])]
+        figures = plot(pair, out / "compare", metric=metric, signal=signal)
+    except ImportError as error:
+        print(f"  no plots: {error}")
+        return
+    print(f"  report: {folder / 'index.md'}; baseline against broken: {figures[0]}")
 
 
 if __name__ == "__main__":

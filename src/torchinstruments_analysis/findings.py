@@ -172,7 +172,8 @@ def find(run: RunLike, *, thresholds: Thresholds | None = None) -> pl.DataFrame:
     """Apply every rule to a run and return the findings, one row each (``COLUMNS``).
 
     Rows come rule by rule (``Rule`` order), then by the sample where the fact first held, then
-    in forward layer order. A rule whose signal or metric the run lacks gives no row.
+    in the order a sample visits layers: outputs in forward order, then gradients in backward
+    order. A rule whose signal or metric the run lacks gives no row.
 
     Args:
         run: A run from ``torchinstruments_analysis.read.open_run`` (finished or still running).
@@ -213,7 +214,9 @@ def _frame(found: list[Finding], order: dict[str, int]) -> pl.DataFrame:
     import polars as pl
 
     rank = list(Rule)
-    found.sort(key=lambda f: (rank.index(f.rule), f.sample_id, order.get(f.layer, 0)))
+    found.sort(
+        key=lambda f: (rank.index(f.rule), *_time_order(f.sample_id, f.signal, f.layer, order))
+    )
     schema = {
         "rule": pl.String(),
         "layer": pl.String(),
@@ -559,10 +562,16 @@ def nonfinite_onset(context: _Context) -> list[Finding]:
 
 
 def _onset_order(row: dict[str, Any], context: _Context) -> tuple[int, int, int]:
-    position = context.order.get(row["layer"], 0)
-    gradient = row["signal"].endswith("gradient")
+    return _time_order(row["sample_id"], row["signal"], row["layer"], context.order)
+
+
+def _time_order(
+    sample: int, signal: str, layer: str, order: dict[str, int]
+) -> tuple[int, int, int]:
+    position = order.get(layer, 0)
+    gradient = signal.endswith("gradient")
     # in one sample the forward runs first, and a backward visits layers last to first
-    return row["sample_id"], int(gradient), -position if gradient else position
+    return sample, int(gradient), -position if gradient else position
 
 
 def update_to_weight(context: _Context) -> list[Finding]:
