@@ -243,3 +243,20 @@ def test_thresholds_refuse_invalid_values(field, value) -> None:
     with pytest.raises(ValueError, match=rf"Thresholds\.{field}="):
         Thresholds(**{field: value})
     assert dataclasses.is_dataclass(Thresholds())
+
+
+def test_the_analysis_modules_import_no_torch() -> None:
+    """Importing findings, plots and watch (and reading a run) loads neither torch nor pyplot."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import torchinstruments_analysis.findings, torchinstruments_analysis.plots\n"
+        "import torchinstruments_analysis.watch\n"
+        "print(sorted(m for m in ('torch', 'matplotlib.pyplot', 'rich') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.strip() == "[]"
