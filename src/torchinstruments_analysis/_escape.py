@@ -13,12 +13,17 @@ Example:
 
 from __future__ import annotations
 
-_NAMED = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "|": "\\|"}
+_NAMED = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def escape_text(text: str) -> str:
+    """``text`` with backslashes and every non-printable character written as an escape."""
+    return "".join(_escape_character(character) for character in text)
 
 
 def escape_name(text: str) -> str:
-    """``text`` with backslashes, ``|`` and every non-printable character written as an escape."""
-    return "".join(_escape_character(character) for character in text)
+    r"""``escape_text`` that also writes ``|`` as ``\|``, for a cell of a plain-text table."""
+    return escape_text(text).replace("|", "\\|")
 
 
 def _escape_character(character: str) -> str:

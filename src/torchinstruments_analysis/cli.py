@@ -246,7 +246,7 @@ def _report(arguments: argparse.Namespace) -> int:
 def _watch(arguments: argparse.Namespace) -> int:
     from torchinstruments_analysis.watch import watch
 
-    watch(arguments.run, arguments.interval)
+    watch(arguments.run, interval=arguments.interval)
     return EXIT_OK
 
 
