@@ -1,13 +1,15 @@
-"""Reading a long run: time and peak memory of ``summary`` and ``first_nonfinite``.
+"""Reading a long run: time and peak memory of ``summary``, ``first_nonfinite`` and ``find``.
 
 Writes a synthetic finished run (default 10,000 samples x 100 layers x 2 signals x 11 metrics,
 22 M rows, in ``history.parquet`` compacted by the core as at the end of a run) whose layer 50
 turns non-finite at sample 9,000, then measures in a fresh process each: ``open_run``,
-``summary`` (every layer, the default signals and metrics) and ``first_nonfinite``.
+``summary`` (every layer, the default signals and metrics), ``first_nonfinite`` and
+``findings.find`` (every rule, default thresholds).
 
     uv run python benchmarks/analysis.py [--samples 10000] [--layers 100]
 
-Prints a Markdown table: seconds and peak RSS (``VmHWM``, Linux) of each step, and the process's\npeak after imports.
+Prints a Markdown table: seconds and peak RSS (``VmHWM``, Linux) of each step, and the process's
+peak after imports.
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ if {step!r} == "summary":
     rows = summary(run).height
 elif {step!r} == "first_nonfinite":
     rows = first_nonfinite(run).height
+elif {step!r} == "find":
+    from torchinstruments_analysis.findings import find
+    rows = find(run).height
 else:
     rows = len(run.layers)
 seconds = time.perf_counter() - started
@@ -122,7 +127,7 @@ def main() -> None:
         print(f"{int(rows):,} rows in history.parquet\n")
         print("| step | seconds | peak RSS (MiB) | RSS after imports (MiB) | rows out |")
         print("|---|---|---|---|---|")
-        for step in ("open_run", "summary", "first_nonfinite"):
+        for step in ("open_run", "summary", "first_nonfinite", "find"):
             m = measure(step, root)
             print(
                 f"| `{step}` | {m['seconds']:.1f} | {m['peak_mib']:.0f} | "

@@ -162,3 +162,12 @@ def test_result_json_carries_the_signal_catalog(tmp_path: pathlib.Path) -> None:
 def test_summary_columns_derive_from_the_summarized_signals() -> None:
     """The end-of-run table's columns come from the signals with a summary label."""
     assert _COLUMNS == ("output std", "max_abs/rms", "grad rms", "non-finite")
+
+
+def test_the_analysis_package_reads_the_names_the_core_writes() -> None:
+    """The torch-free analysis package spells each signal once, exactly as the core writes it."""
+    from torchinstruments_analysis import _signals as analysis_signals
+
+    assert Signal.OUTPUT.value == analysis_signals.OUTPUT
+    assert Signal.OUTPUT_GRADIENT.value == analysis_signals.OUTPUT_GRADIENT
+    assert Signal.PARAMETER.value == analysis_signals.PARAMETER

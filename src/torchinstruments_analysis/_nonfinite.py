@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 from torchinstruments_analysis._select import FORWARD_SIGNALS
+from torchinstruments_analysis._signals import OUTPUT, OUTPUT_GRADIENT
 
 if TYPE_CHECKING:
     from torchinstruments_analysis.read import Run
@@ -42,8 +43,8 @@ SCHEMA = pl.Schema(
 
 # direction, the signal searched, the signal that flowed into it, and the search order
 _DIRECTIONS = (
-    ("forward", "output", "input", False),
-    ("backward", "output_gradient", None, True),
+    ("forward", OUTPUT, "input", False),
+    ("backward", OUTPUT_GRADIENT, None, True),
 )
 
 
@@ -158,7 +159,7 @@ def _origin(
     """Started there?, what was compared (``evidence``), and the layer compared with."""
     if into is not None and (hit, into) in state:
         return not state[(hit, into)][0], into, None
-    if backwards and state.get((hit, "output"), (False,))[0]:
+    if backwards and state.get((hit, OUTPUT), (False,))[0]:
         return False, "forward_output", None  # a non-finite forward makes its gradient so
     before = [layer for layer in walk[: walk.index(hit)] if (layer, signal) in state]
     if not before:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from torchinstruments_analysis._signals import OUTPUT
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -147,7 +149,7 @@ def where(row: dict[str, Any], context: RuleContext) -> str:
     extra = [f"rank {row['rank']}"] if context.ranks > 1 else []
     if row.get("call_index", 0):
         extra.append(f"call {row['call_index']}")
-    if row.get("tensor_path") not in (None, "output"):
+    if row.get("tensor_path") not in (None, OUTPUT):
         extra.append(str(row["tensor_path"]))
     return at + (f", {', '.join(extra)}" if extra else "")
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchinstruments_analysis import _rule_base as base
 from torchinstruments_analysis._rule_base import KEYS, Finding, Rule, RuleContext
+from torchinstruments_analysis._signals import OUTPUT, OUTPUT_GRADIENT
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -36,7 +37,7 @@ def dead_units(context: RuleContext) -> list[Finding]:
     import polars as pl
 
     limit = context.thresholds.dead_zero_fraction
-    rows = base.values(context, "output", "zero_fraction")
+    rows = base.values(context, OUTPUT, "zero_fraction")
     names = rows.get_column("layer").unique().to_list()
     relu = [name for name in names if _family(context, name, _RELU, "relu")]
     rows = rows.filter(pl.col("layer").is_in(relu))
@@ -59,7 +60,7 @@ def saturation(context: RuleContext) -> list[Finding]:
     import polars as pl
 
     margin = context.thresholds.saturation_margin
-    wide = base.wide(context, "output", ["p25", "p75"])
+    wide = base.wide(context, OUTPUT, ["p25", "p75"])
     found = []
     for layer in wide.get_column("layer").unique().to_list():
         bounds = _bounds(context, layer)
@@ -100,7 +101,7 @@ def gradient_steps(context: RuleContext) -> list[Finding]:
     import polars as pl
 
     factor = context.thresholds.gradient_step_factor
-    rows = base.values(context, "output_gradient", "rms")
+    rows = base.values(context, OUTPUT_GRADIENT, "rms")
     per_layer = rows.group_by("rank", "sample_id", "step", "layer", "signal").agg(
         pl.col("value").max()
     )
@@ -112,7 +113,7 @@ def gradient_steps(context: RuleContext) -> list[Finding]:
         _next=nxt, _next_layer=pl.col("layer").shift(-1).over("rank", "sample_id")
     ).filter(pl.col("_next") > 0)
     paired = paired.with_columns(
-        ratio=pl.col("value") / pl.col("_next"), call_index=0, tensor_path=pl.lit("output")
+        ratio=pl.col("value") / pl.col("_next"), call_index=0, tensor_path=pl.lit(OUTPUT)
     )
     found = []
     for rule, holds in (
@@ -167,7 +168,7 @@ def gradient_growth(context: RuleContext) -> list[Finding]:
     """Output-gradient rms of the last samples ``gradient_growth_factor`` times the first ones."""
     t = context.thresholds
     factor = t.gradient_growth_factor
-    rows = base.values(context, "output_gradient", "rms")
+    rows = base.values(context, OUTPUT_GRADIENT, "rms")
     return [
         base.finding(
             Rule.GRADIENT_GROWTH,
@@ -187,7 +188,7 @@ def scale_drift(context: RuleContext) -> list[Finding]:
     """Output rms of the last samples ``scale_drift_factor`` times larger or smaller."""
     t = context.thresholds
     factor = t.scale_drift_factor
-    rows = base.values(context, "output", "rms")
+    rows = base.values(context, OUTPUT, "rms")
     return [
         base.finding(
             Rule.SCALE_DRIFT,
@@ -209,7 +210,7 @@ def gradient_lost(context: RuleContext) -> list[Finding]:
     import polars as pl
 
     grads = context.history.filter(
-        (pl.col("signal") == "output_gradient") & (pl.col("metric") == "rms")
+        (pl.col("signal") == OUTPUT_GRADIENT) & (pl.col("metric") == "rms")
     )
     backward = grads.filter(pl.col("value").is_not_null()).select("rank", "sample_id").unique()
     rows = grads.join(backward, on=["rank", "sample_id"]).sort("sample_id")
@@ -292,7 +293,7 @@ def outliers(context: RuleContext) -> list[Finding]:
     import polars as pl
 
     limit = context.thresholds.outlier_ratio
-    wide = base.wide(context, "output", ["max_abs", "rms"]).filter(pl.col("rms") > 0)
+    wide = base.wide(context, OUTPUT, ["max_abs", "rms"]).filter(pl.col("rms") > 0)
     wide = wide.with_columns(ratio=pl.col("max_abs") / pl.col("rms"))
     return [
         base.finding(

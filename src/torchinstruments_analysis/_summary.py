@@ -7,13 +7,14 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 from torchinstruments_analysis._select import in_execution_order, select
+from torchinstruments_analysis._signals import OUTPUT, OUTPUT_GRADIENT
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
     from torchinstruments_analysis.read import Run
 
-DEFAULT_SIGNALS = ("output", "output_gradient")
+DEFAULT_SIGNALS = (OUTPUT, OUTPUT_GRADIENT)
 DEFAULT_METRICS = ("rms", "zero_fraction", "nonfinite_fraction")
 UPDATE_TO_WEIGHT = "update_to_weight"
 """A step record's metric (the size of the update against the weight), summed up when present."""

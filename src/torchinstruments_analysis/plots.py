@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from torchinstruments_analysis._escape import escape_text
+from torchinstruments_analysis._signals import OUTPUT, OUTPUT_GRADIENT
 from torchinstruments_analysis.findings import find
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 LOG_SCALE_METRICS = frozenset({"rms", "max_abs", "std"})
 CHOSEN_LAYERS = 6
-REPORT_FIGURES = (("output", "rms"), ("output_gradient", "rms"), ("output", "zero_fraction"))
+REPORT_FIGURES = ((OUTPUT, "rms"), (OUTPUT_GRADIENT, "rms"), (OUTPUT, "zero_fraction"))
 
 
 def plot(
@@ -41,7 +42,7 @@ def plot(
     out_dir: str | Path,
     *,
     metric: str = "rms",
-    signal: str = "output",
+    signal: str = OUTPUT,
     layers: Sequence[str] | None = None,
 ) -> list[Path]:
     """Write the heatmap and the chosen layers' lines of ``signal``/``metric``; return the PNGs.

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
+from torchinstruments_analysis._signals import OUTPUT
+
 if TYPE_CHECKING:
     import os
 
@@ -219,7 +221,7 @@ def _execution_order(folders: tuple[RankFolder, ...], history: pl.LazyFrame) -> 
         return tuple(dict.fromkeys(catalog))
     # While a run is written result.json lists the catalog in model order: the first sample's
     # rows, written as the forward reached each module, give the execution order.
-    outputs = history.filter(pl.col("signal") == "output")
+    outputs = history.filter(pl.col("signal") == OUTPUT)
     first = outputs.filter(pl.col("sample_id") == pl.col("sample_id").min())
     seen = first.select(pl.col("layer").unique(maintain_order=True)).collect()
     return tuple(dict.fromkeys([*seen["layer"].to_list(), *catalog]))
