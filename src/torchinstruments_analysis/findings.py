@@ -102,10 +102,13 @@ def _context(run: RunLike, thresholds: Thresholds) -> RuleContext:
     import polars as pl
 
     metrics = ["rms", "zero_fraction", "nonfinite_fraction", "max_abs", "p25", "p75"]
+    names = [*KEYS[1:], "metric", "unavailable_reason"]
     history = (
         run.history.filter(pl.col("metric").is_in([*metrics, "update_to_weight"]))
         .select("rank", "sample_id", "step", *KEYS[1:], "metric", "value", "unavailable_reason")
-        .collect()
+        # a name repeats in millions of rows: a category keeps it once (22 M rows: 2.3 -> 1.4 GiB)
+        .with_columns(pl.col(name).cast(pl.Categorical) for name in names if name != "call_index")
+        .collect(engine="streaming")
     )
     order = {name: i for i, name in enumerate(run.layers)}
     for name in history.get_column("layer").unique(maintain_order=True).to_list():
@@ -120,7 +123,8 @@ def _layer_types(path: Path) -> dict[str, str]:
             layers = json.loads(result.read_text()).get("layers", [])
         except (OSError, ValueError):
             continue
-        return {layer["name"]: layer["type"] for layer in layers}
+        # a catalog without types (an older or hand-written result.json): names decide instead
+        return {layer["name"]: layer["type"] for layer in layers if "type" in layer}
     return {}
 
 
