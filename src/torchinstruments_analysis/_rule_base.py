@@ -100,18 +100,28 @@ class Finding:
 
 @dataclass(frozen=True, slots=True)
 class RuleContext:
-    history: pl.DataFrame  # the rows the rules read, collected once
+    # the rows the rules read, lazily: each rule collects only its slice (bounded memory)
+    history: pl.LazyFrame
     order: dict[str, int]  # layer -> forward position
     types: dict[str, str]
     ranks: int
     thresholds: Thresholds
 
 
+def gather(frame: pl.LazyFrame) -> pl.DataFrame:
+    """Collect a rule's slice of the run with the streaming engine (never the whole table)."""
+    return frame.collect(engine="streaming")
+
+
 def values(context: RuleContext, signal: str, metric: str) -> pl.DataFrame:
     import polars as pl
 
-    return context.history.filter(
-        (pl.col("signal") == signal) & (pl.col("metric") == metric) & pl.col("value").is_not_null()
+    return gather(
+        context.history.filter(
+            (pl.col("signal") == signal)
+            & (pl.col("metric") == metric)
+            & pl.col("value").is_not_null()
+        )
     )
 
 
@@ -119,10 +129,12 @@ def wide(context: RuleContext, signal: str, metrics: list[str]) -> pl.DataFrame:
     """One row per tensor and sample with one column per metric (rows lacking one dropped)."""
     import polars as pl
 
-    rows = context.history.filter(
-        (pl.col("signal") == signal)
-        & pl.col("metric").is_in(metrics)
-        & pl.col("value").is_not_null()
+    rows = gather(
+        context.history.filter(
+            (pl.col("signal") == signal)
+            & pl.col("metric").is_in(metrics)
+            & pl.col("value").is_not_null()
+        )
     )
     if rows.height == 0:
         return pl.DataFrame(schema={**rows.schema, **dict.fromkeys(metrics, pl.Float64())})

@@ -209,8 +209,8 @@ def gradient_lost(context: RuleContext) -> list[Finding]:
     """A layer that had an output gradient reports ``no_gradient`` in a later backward sample."""
     import polars as pl
 
-    grads = context.history.filter(
-        (pl.col("signal") == OUTPUT_GRADIENT) & (pl.col("metric") == "rms")
+    grads = base.gather(
+        context.history.filter((pl.col("signal") == OUTPUT_GRADIENT) & (pl.col("metric") == "rms"))
     )
     backward = grads.filter(pl.col("value").is_not_null()).select("rank", "sample_id").unique()
     rows = grads.join(backward, on=["rank", "sample_id"]).sort("sample_id")
@@ -234,8 +234,10 @@ def nonfinite_onset(context: RuleContext) -> list[Finding]:
     """Per layer and signal, the first sample with ``nonfinite_fraction > 0``."""
     import polars as pl
 
-    rows = context.history.filter(
-        (pl.col("metric") == "nonfinite_fraction") & pl.col("value").is_not_null()
+    rows = base.gather(
+        context.history.filter(
+            (pl.col("metric") == "nonfinite_fraction") & pl.col("value").is_not_null()
+        )
     )
     onsets = list(base.onsets(rows, pl.col("value") > 0))
     if not onsets:
@@ -316,9 +318,11 @@ def rank_disagreement(context: RuleContext) -> list[Finding]:
     t = context.thresholds
     if context.ranks < 2:
         return []
-    rows = context.history.filter(
-        pl.col("metric").is_in(t.rank_metrics) & pl.col("value").is_not_null()
-    ).with_columns(_at=pl.coalesce("step", "sample_id"), _abs=pl.col("value").abs())
+    rows = base.gather(
+        context.history.filter(
+            pl.col("metric").is_in(t.rank_metrics) & pl.col("value").is_not_null()
+        ).with_columns(_at=pl.coalesce("step", "sample_id"), _abs=pl.col("value").abs())
+    )
     keys = ["layer", "call_index", "signal", "tensor_path", "metric", "_at"]
     spread = (
         rows.group_by(keys)

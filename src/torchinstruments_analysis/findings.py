@@ -93,12 +93,13 @@ def find(run: RunLike, *, thresholds: Thresholds | None = None) -> pl.DataFrame:
         run: A run from ``torchinstruments_analysis.read.open_run`` (finished or still running).
         thresholds: Where the rules start to speak; ``Thresholds()`` when not given.
     """
-    context = _context(run, thresholds or Thresholds())
-    found = [f for rule in RULES for f in rule(context)] if context.history.height else []
+    context, has_rows = _context(run, thresholds or Thresholds())
+    found = [f for rule in RULES for f in rule(context)] if has_rows else []
     return _frame(_first_per_fact(found), context.order)
 
 
-def _context(run: RunLike, thresholds: Thresholds) -> RuleContext:
+def _context(run: RunLike, thresholds: Thresholds) -> tuple[RuleContext, bool]:
+    """The rules' view of the run (still lazy), and whether it has any row they read."""
     import polars as pl
 
     metrics = ["rms", "zero_fraction", "nonfinite_fraction", "max_abs", "p25", "p75"]
@@ -106,15 +107,16 @@ def _context(run: RunLike, thresholds: Thresholds) -> RuleContext:
     history = (
         run.history.filter(pl.col("metric").is_in([*metrics, "update_to_weight"]))
         .select("rank", "sample_id", "step", *KEYS[1:], "metric", "value", "unavailable_reason")
-        # a name repeats in millions of rows: a category keeps it once (22 M rows: 2.3 -> 1.4 GiB)
+        # a name repeats in millions of rows: a category keeps it once
         .with_columns(pl.col(name).cast(pl.Categorical) for name in names if name != "call_index")
-        .collect(engine="streaming")
     )
+    seen = history.select("layer", "rank").unique(maintain_order=True).collect(engine="streaming")
     order = {name: i for i, name in enumerate(run.layers)}
-    for name in history.get_column("layer").unique(maintain_order=True).to_list():
+    for name in seen.get_column("layer").unique(maintain_order=True).to_list():
         order.setdefault(name, len(order))
-    ranks = history.get_column("rank").n_unique() if history.height else 1
-    return RuleContext(history, order, _layer_types(run.path), ranks, thresholds)
+    ranks = max(seen.get_column("rank").n_unique(), 1)
+    context = RuleContext(history, order, _layer_types(run.path), ranks, thresholds)
+    return context, seen.height > 0
 
 
 def _layer_types(path: Path) -> dict[str, str]:
