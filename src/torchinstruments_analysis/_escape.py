@@ -17,7 +17,13 @@ _NAMED = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def escape_text(text: str) -> str:
-    """``text`` with backslashes and every non-printable character written as an escape."""
+    r"""``text`` with backslashes and every non-printable character written as an escape.
+
+    Control characters (ESC included), line and paragraph separators, and invisible format
+    characters (such as the bidirectional overrides) become ``\xNN``, ``\uNNNN`` or
+    ``\UNNNNNNNN``; printable characters, including non-ASCII letters, stay as they are. The
+    core's ``run_directory.escape_text`` is this function.
+    """
     return "".join(_escape_character(character) for character in text)
 
 

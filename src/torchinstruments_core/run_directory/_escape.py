@@ -9,17 +9,11 @@ newline ``\n``, ESC ``\x1b``, so the original name can be read back unambiguousl
 
 from __future__ import annotations
 
-_NAMED = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+# One escaper for the whole distribution: it lives in the analysis package, which imports no
+# torch (its command line must not), and the core writes names exactly as that package reads them.
+from torchinstruments_analysis._escape import escape_text
 
-
-def escape_text(text: str) -> str:
-    r"""``text`` with backslashes and every non-printable character written as an escape.
-
-    Control characters (ESC included), line and paragraph separators, and invisible format
-    characters (such as the bidirectional overrides) become ``\xNN``, ``\uNNNN`` or
-    ``\UNNNNNNNN``; printable characters, including non-ASCII letters, stay as they are.
-    """
-    return "".join(_escape_character(character) for character in text)
+__all__ = ["escape_text", "markdown_cell", "markdown_code"]
 
 
 def markdown_code(text: str) -> str:
@@ -43,16 +37,3 @@ def markdown_cell(text: str, *, code: bool = True) -> str:
     """
     cell = markdown_code(text) if code else escape_text(text)
     return cell.replace("|", "\\|")
-
-
-def _escape_character(character: str) -> str:
-    if character in _NAMED:
-        return _NAMED[character]
-    if character.isprintable():
-        return character
-    point = ord(character)
-    if point < 0x100:
-        return f"\\x{point:02x}"
-    if point < 0x10000:
-        return f"\\u{point:04x}"
-    return f"\\U{point:08x}"
