@@ -19,7 +19,7 @@ from torchinstruments_core import (
     Signal,
     inject_observer,
 )
-from torchinstruments_core._signals import routed_by_default, signals_of
+from torchinstruments_core._signals import MODEL_LAYER, routed_by_default
 from torchinstruments_core.routing import LoggerRouter, tensor_key
 from torchinstruments_core.run_directory._index import render_index
 from torchinstruments_core.run_directory._summary import _COLUMNS
@@ -99,7 +99,10 @@ def test_tensor_keys_omit_only_the_signal_root() -> None:
 def test_router_routes_the_default_signals_or_the_chosen_ones() -> None:
     """By default every routed signal; ``signals=`` narrows it; an unknown name fails at once."""
     assert LoggerRouter(()).signals == routed_by_default()
-    assert {Signal.OUTPUT, Signal.OUTPUT_GRADIENT, Signal.PARAMETER} <= set(routed_by_default())
+    assert {Signal.OUTPUT, Signal.OUTPUT_GRADIENT, Signal.PARAMETER_GRADIENT} <= set(
+        routed_by_default()
+    )
+    assert Signal.PARAMETER not in routed_by_default()
     chosen, everything = Recorder(), Recorder()
     model = mlp()
     sink = LoggerRouter([chosen], signals=["output_gradient"], scalar_layers="all")
@@ -119,7 +122,7 @@ def test_documented_scalar_keys_cover_each_forward_signal() -> None:
     """``scalar_keys`` lists a key per routed forward signal and metric of each focus layer."""
     keys = LoggerRouter(()).scalar_keys(_run())
     assert keys[:2] == ["telemetry/nonfinite_tensors", "telemetry/collection_duration_ms"]
-    forward = [s for s in signals_of(RecordKind.FORWARD) if s.tensor_root]
+    forward = [s for s in routed_by_default() if s.kind is RecordKind.FORWARD and s.tensor_root]
     assert keys[2:] == [f"telemetry/encoder.0/{signal}/rms" for signal in forward]
     assert "telemetry/encoder.0/output_gradient/rms" in keys
 
@@ -168,6 +171,6 @@ def test_the_analysis_package_reads_the_names_the_core_writes() -> None:
     """The torch-free analysis package spells each signal once, exactly as the core writes it."""
     from torchinstruments_analysis import _signals as analysis_signals
 
-    assert Signal.OUTPUT.value == analysis_signals.OUTPUT
-    assert Signal.OUTPUT_GRADIENT.value == analysis_signals.OUTPUT_GRADIENT
-    assert Signal.PARAMETER.value == analysis_signals.PARAMETER
+    for signal in Signal:
+        assert getattr(analysis_signals, signal.name) == signal.value
+    assert analysis_signals.MODEL_LAYER == MODEL_LAYER

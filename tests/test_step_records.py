@@ -110,11 +110,21 @@ def test_result_json_counts_step_records_apart_from_samples(tmp_path: pathlib.Pa
     assert parameters[0]["metrics"]["max"]["count"] == 1
 
 
+def _gradients(module: torch.nn.Module, layer: str) -> list[StepTensor]:
+    return [
+        StepTensor(layer, Signal.PARAMETER_GRADIENT, name, torch.randn_like(p), histogram=True)
+        for name, p in module.named_parameters()
+    ]
+
+
 def test_step_record_reaches_logger_targets_under_parameter_keys() -> None:
-    """LoggerRouter: ``<layer>/parameter/<name>/<metric>`` and ``step/`` summaries, at its step."""
+    """LoggerRouter: ``<layer>/parameter/<name>/<metric>`` and ``step/`` summaries, at its step.
+
+    ``parameter`` is not routed unless asked for (it goes to the run directory).
+    """
     target = Recorder()
     model = mlp()
-    router = LoggerRouter([target])
+    router = LoggerRouter([target], signals=["output", "output_gradient", "parameter"])
     with inject_observer(model, sink=router, max_focus_layers=1) as observer:
         _sampled_step(observer, model, 3)
         observer.record_step(3, _parameters(model[0], "0", histogram=True))
@@ -142,22 +152,22 @@ def test_step_record_reaches_logger_targets_under_parameter_keys() -> None:
 
 
 def test_step_record_histograms_reach_the_run_tensorboard(tmp_path: pathlib.Path) -> None:
-    """The run directory's TensorBoard file holds a step record's histogram and summaries."""
+    """The run directory's TensorBoard file holds a routed step signal's histogram and summaries."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     model = Net()
     with inject_observer(model, output_dir=tmp_path / "run") as observer:
         _sampled_step(observer, model, 4)
-        observer.record_step(4, _parameters(model.first, "first", histogram=True))
+        observer.record_step(4, _gradients(model.first, "first"))
     events = EventAccumulator(
         str(tmp_path / "run" / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0}
     )
     events.Reload()
-    histogram = events.Histograms("telemetry/first/parameter/weight/histogram")
+    histogram = events.Histograms("telemetry/first/parameter_gradient/weight/histogram")
     assert [event.step for event in histogram] == [4]
     assert histogram[0].histogram_value.num == model.first.weight.numel()
     assert [e.step for e in events.Scalars("telemetry/step/collection_duration_ms")] == [4]
-    assert "telemetry/first/parameter/weight/rms" in events.Tags()["scalars"]
+    assert "telemetry/first/parameter_gradient/weight/rms" in events.Tags()["scalars"]
 
 
 def test_step_record_takes_the_next_id_of_the_samples_sequence() -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 from torchinstruments_analysis._select import FORWARD_SIGNALS
-from torchinstruments_analysis._signals import OUTPUT, OUTPUT_GRADIENT
+from torchinstruments_analysis._signals import INPUT, OUTPUT, OUTPUT_GRADIENT
 
 if TYPE_CHECKING:
     from torchinstruments_analysis.read import Run
@@ -43,7 +43,7 @@ SCHEMA = pl.Schema(
 
 # direction, the signal searched, the signal that flowed into it, and the search order
 _DIRECTIONS = (
-    ("forward", OUTPUT, "input", False),
+    ("forward", OUTPUT, INPUT, False),
     ("backward", OUTPUT_GRADIENT, None, True),
 )
 

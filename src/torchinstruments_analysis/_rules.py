@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchinstruments_analysis import _rule_base as base
 from torchinstruments_analysis._rule_base import KEYS, Finding, Rule, RuleContext
-from torchinstruments_analysis._signals import OUTPUT, OUTPUT_GRADIENT
+from torchinstruments_analysis._signals import OUTPUT, OUTPUT_GRADIENT, UPDATE
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -271,7 +271,7 @@ def update_to_weight(context: RuleContext) -> list[Finding]:
     import polars as pl
 
     low, high = context.thresholds.update_to_weight_band
-    rows = base.values(context, "update", "update_to_weight")
+    rows = base.values(context, UPDATE, "update_to_weight")
     found = []
     for row in base.onsets(rows, (pl.col("value") < low) | (pl.col("value") > high)):
         threshold = low if row["value"] < low else high

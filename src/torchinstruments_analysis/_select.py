@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
-from torchinstruments_analysis._signals import OUTPUT, OUTPUT_GRADIENT
+from torchinstruments_analysis._signals import INPUT, INPUT_GRADIENT, OUTPUT, OUTPUT_GRADIENT
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
     from torchinstruments_analysis.read import Run
 
-FORWARD_SIGNALS = (OUTPUT, OUTPUT_GRADIENT, "input", "input_gradient")
+FORWARD_SIGNALS = (OUTPUT, OUTPUT_GRADIENT, INPUT, INPUT_GRADIENT)
 """The signals measured in a sample's forward and backward (not in an optimizer step)."""
 
 

@@ -15,3 +15,21 @@ OUTPUT_GRADIENT = "output_gradient"
 
 PARAMETER = "parameter"
 """A parameter of a module at an optimizer step (a step record)."""
+
+PARAMETER_GRADIENT = "parameter_gradient"
+"""The gradient an optimizer step used (after unscaling and clipping)."""
+
+UPDATE = "update"
+"""The change of a parameter over an optimizer step."""
+
+OPTIMIZER_STATE = "optimizer_state"
+"""A state tensor of the optimizer (Adam's moments)."""
+
+INPUT = "input"
+"""A module's input tensors (a forward sample)."""
+
+INPUT_GRADIENT = "input_gradient"
+"""The gradient flowing back into a module's inputs."""
+
+MODEL_LAYER = "<model>"
+"""The ``layer`` of the whole-model rows of a step record (global norms)."""

@@ -87,11 +87,57 @@ class Signal(StrEnum):
             summary_label="grad",
         ),
     )
+    INPUT = (
+        "input",
+        SignalSpec(
+            "The tensors passed to a module's forward, positional and keyword (`input.0`, "
+            "`input.x`).",
+            tensor_root="input",
+            routed=False,
+        ),
+    )
+    INPUT_GRADIENT = (
+        "input_gradient",
+        SignalSpec(
+            "The gradient flowing back into a module's input tensors in the backward, unscaled "
+            "under fp16 loss scaling.",
+            tensor_root="input",
+            gradient_of="input",
+            routed=False,
+        ),
+    )
     PARAMETER = (
         "parameter",
         SignalSpec(
             "A parameter of the module, as the optimizer step found it.",
             kind=RecordKind.STEP,
+            routed=False,
+        ),
+    )
+    PARAMETER_GRADIENT = (
+        "parameter_gradient",
+        SignalSpec(
+            "The gradient the optimizer step used: after unscaling and clipping, summed over the "
+            "step's micro-batches.",
+            kind=RecordKind.STEP,
+            gradient_of="parameter",
+        ),
+    )
+    UPDATE = (
+        "update",
+        SignalSpec(
+            "The change of a parameter over the optimizer step (after minus before); its "
+            "`update_to_weight` is rms(update) / rms(parameter before the step).",
+            kind=RecordKind.STEP,
+        ),
+    )
+    OPTIMIZER_STATE = (
+        "optimizer_state",
+        SignalSpec(
+            "A state tensor the optimizer holds for a parameter after the step "
+            "(`weight.exp_avg`, `weight.exp_avg_sq`).",
+            kind=RecordKind.STEP,
+            routed=False,
         ),
     )
 
@@ -119,6 +165,13 @@ class Signal(StrEnum):
     def gradient(self) -> Signal | None:
         """The signal that is this one's gradient, if one is defined."""
         return _gradients().get(self)
+
+
+MODEL_LAYER = "<model>"
+"""The ``layer`` of a step record's whole-model rows (global gradient and update norms)."""
+
+ALL_PARAMETERS = "*"
+"""The ``tensor_path`` of the whole-model rows: every observed parameter together."""
 
 
 @functools.cache
