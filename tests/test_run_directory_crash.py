@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from torchinstruments_core import AlwaysSampler, inject_observer
+from torchinstruments_core._exceptions import RunDirectoryExistsError
 from torchinstruments_core.run_directory import RunDirectorySink
 
 TRAIN_FOREVER = textwrap.dedent(
@@ -113,3 +114,31 @@ def test_a_rank_refuses_a_folder_that_already_exists(tmp_path: pathlib.Path) -> 
     (tmp_path / "other" / "rank-001").mkdir(parents=True)
     with pytest.raises(RunDirectoryExistsError, match="rank-001"):
         sink.open(run)
+
+
+def test_a_rank_injects_beside_the_folders_other_ranks_already_made(tmp_path: pathlib.Path) -> None:
+    """Under torch.distributed, another rank's rank-NNN/ does not stop this rank's injection.
+
+    A rank that reaches ``inject_observer`` after another rank of the same run took its first
+    sample finds that rank's folder in ``output_dir``; it still writes its own ``rank-NNN/``.
+    Without a process group such a folder is an old run, refused at injection.
+    """
+    sibling = tmp_path / "run" / "rank-001" / "history.parts"
+    sibling.mkdir(parents=True)
+    with pytest.raises(RunDirectoryExistsError, match="rank-001"):
+        inject_observer(nn.Linear(2, 2), output_dir=tmp_path / "run", rank_policy="all")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1
+    )
+    try:
+        model = nn.Linear(2, 2)
+        with inject_observer(
+            model, output_dir=tmp_path / "run", rank_policy="all", sampler=AlwaysSampler()
+        ):
+            model(torch.ones(1, 2)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert pl.read_parquet(tmp_path / "run" / "rank-000" / "history.parquet")[
+        "rank"
+    ].unique().to_list() == [0]
+    assert sibling.is_dir()

@@ -76,14 +76,26 @@ class RunLayout:
         return self.parts / f"{table}-{number:06d}.parquet"
 
 
-def existing_run(folder: Path) -> Path | None:
-    """The first name in ``folder`` that a run would write, if any (file, folder or link)."""
+def existing_run(folder: Path, *, rank_folders: bool = True) -> Path | None:
+    """The first name in ``folder`` that a run would write, if any (file, folder or link).
+
+    ``rank_folders=False`` leaves out the ``rank-NNN`` folders of a run whose every rank writes.
+    """
     if not folder.is_dir():
         return None
     for name in RUN_FILES:
         if os.path.lexists(folder / name):
             return folder / name
+    if not rank_folders:
+        return None
     return next(iter(sorted(folder.glob("rank-[0-9][0-9][0-9]*"))), None)
+
+
+def _distributed() -> bool:
+    """Whether this process belongs to an initialized ``torch.distributed`` group."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def next_free_folder(folder: Path) -> Path:
@@ -106,9 +118,12 @@ def next_free_folder(folder: Path) -> Path:
     return candidate
 
 
-def refuse_existing(folder: Path) -> None:
-    """Raise ``RunDirectoryExistsError`` when ``folder`` holds a run or a name a run writes."""
-    found = existing_run(folder)
+def refuse_existing(folder: Path, *, rank_folders: bool = True) -> None:
+    """Raise ``RunDirectoryExistsError`` when ``folder`` holds a run or a name a run writes.
+
+    ``rank_folders=False``: ``rank-NNN`` folders are not looked at (see ``existing_run``).
+    """
+    found = existing_run(folder, rank_folders=rank_folders)
     if found is None:
         return
     if found.is_symlink():
@@ -163,7 +178,9 @@ def prepare_output_dir(output_dir: Any) -> Path:
     folder = Path(os.path.abspath(text))
     if os.path.lexists(folder) and not folder.is_dir():
         raise ConfigurationError.invalid("output_dir", output_dir, "a folder, not a file")
-    refuse_existing(folder)
+    # Under torch.distributed the other ranks of this very run may have made their rank-NNN
+    # folders already (rank_policy="all"); each rank refuses its own when it opens it.
+    refuse_existing(folder, rank_folders=not _distributed())
     try:
         folder.mkdir(parents=True, exist_ok=True)
         handle, probe = open_temporary(folder / "result.json")
@@ -180,6 +197,8 @@ def prepare_output_dir(output_dir: Any) -> Path:
 def layout_for(output_dir: Path, *, rank: int, per_rank: bool) -> RunLayout:
     """Create and return this process's run folder, refusing one that holds a run."""
     root = output_dir / f"rank-{rank:03d}" if per_rank else output_dir
+    if per_rank:  # the parent may hold the other ranks' folders of this run, never a run's files
+        refuse_existing(output_dir, rank_folders=False)
     refuse_existing(root)
     if per_rank and os.path.lexists(root):
         raise RunDirectoryExistsError(
