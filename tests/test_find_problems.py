@@ -62,3 +62,25 @@ def test_findings_do_not_depend_on_how_much_is_read_at_once(tmp_path) -> None:
         whole = find(run, chunk_rows=10**9)
         assert whole.height > 0, fault
         assert_frame_equal(find(run, chunk_rows=1), whole)
+
+
+def test_a_learning_rate_too_large_names_each_weight_from_its_first_large_step(tmp_path) -> None:
+    """A learning rate 10x larger each step names every weight, at a step record after the fault.
+
+    The ratios of the healthy steps sit near 1e-3 (Karpathy's rule of thumb); the finding
+    comes at an optimizer step record (``samples.parquet`` kind ``step``) after the fault began.
+    """
+    fault = example.Fault.LEARNING_RATE
+    run = open_run(example.record(fault, example.Variant.BROKEN, tmp_path))
+    found = find(run).filter(pl.col("rule") == Rule.UPDATE_TO_WEIGHT.value)
+    assert set(found["layer"]) == {"fc1", "fc2", "head"}
+    assert (found["value"] > 0.1).all()
+    records = run.samples.collect()
+    steps = records.filter(pl.col("kind") == "step").sort("sample_id")["sample_id"].to_list()
+    assert set(found["sample_id"]) <= set(steps[example.HEALTHY_SAMPLES :])
+    healthy = run.history.filter(
+        pl.col("metric") == "update_to_weight",
+        pl.col("tensor_path") == "weight",
+        pl.col("sample_id").is_in(steps[: example.HEALTHY_SAMPLES]),
+    ).collect()["value"]
+    assert 1e-4 < healthy.to_frame().select(pl.col("value").median()).item() < 1e-2

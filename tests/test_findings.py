@@ -293,3 +293,24 @@ def test_find_refuses_an_empty_span(healthy) -> None:
     """``chunk_rows`` below 1 fails at once, naming the argument and the value."""
     with pytest.raises(ValueError, match=r"chunk_rows=0"):
         find(open_run(healthy), chunk_rows=0)
+
+
+def test_update_to_weight_leaves_out_biases_that_start_at_zero(tmp_path) -> None:
+    """A LayerNorm's zero bias has an infinite, then large, ratio: no finding; weights are read.
+
+    Recorded for real with ``inject_observer(..., optimizer=...)``; the same run with a band
+    whose top sits below the weights' ratios names them.
+    """
+    net = model(("norm", nn.LayerNorm(32)), ("relu2", nn.ReLU()))
+    run = open_run(record(tmp_path / "run", net, optimizer_steps=True))
+    ratios = run.history.filter(pl.col("metric") == "update_to_weight").collect()
+    bias = ratios.filter(pl.col("layer") == "norm", pl.col("tensor_path") == "bias")
+    bias = bias.sort("sample_id")
+    assert bias.item(0, "unavailable_reason") == "non_finite_result"  # 0 / 0 at the first step
+    assert bias.select(pl.col("value").max()).item() > 0.1  # then a step as large as the bias
+    assert _rule(find(run), Rule.UPDATE_TO_WEIGHT).height == 0
+    weights = ratios.filter(pl.col("tensor_path") == "weight")["value"]
+    tight = Thresholds(update_to_weight_band=(1e-9, min(weights.drop_nulls().to_list()) / 2))
+    named = _rule(find(run, thresholds=tight), Rule.UPDATE_TO_WEIGHT)
+    assert set(named["layer"]) == {"fc1", "fc2", "norm", "head"}
+    assert named["message"].str.contains(".weight is").all()

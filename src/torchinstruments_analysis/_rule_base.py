@@ -47,7 +47,9 @@ class Thresholds:
             is this many times larger or smaller than that of the first ``window`` (10).
         window: How many samples make "early" and "recent" (3); the drift and growth rules need
             at least twice this many samples of a layer.
-        update_to_weight_band: ``update_to_weight`` outside ``[low, high]`` (1e-5, 1e-1).
+        update_to_weight_band: ``update_to_weight`` outside ``[low, high]`` (1e-5, 1e-1): two
+            decades either side of the ~1e-3 of healthy training (Karpathy's rule of thumb), so
+            Adam's first steps on small weights (lr 1e-3 on GPT-2's 0.02 init: ~5e-2) pass.
         outlier_ratio: ``outliers`` when ``max_abs / rms`` of a layer's outputs exceeds it (50).
         rank_factor: ``rank_disagreement`` when ranks differ by more than this factor (10).
         rank_metrics: The metrics compared across ranks (``rms``).

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from torchinstruments_analysis import _rule_base as base
 from torchinstruments_analysis._chunks import Onsets
 from torchinstruments_analysis._rule_base import KEYS, Finding, Rule, RuleContext
-from torchinstruments_analysis._signals import OUTPUT, OUTPUT_GRADIENT, UPDATE
+from torchinstruments_analysis._signals import BIAS, OUTPUT, OUTPUT_GRADIENT, UPDATE
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -263,13 +263,19 @@ class NonfiniteOnset(_OnsetRule):
 
 
 class UpdateToWeight(_OnsetRule):
-    """``update_to_weight`` outside ``update_to_weight_band``."""
+    """``update_to_weight`` of a weight outside ``update_to_weight_band``.
+
+    Biases (parameters named ``*bias``) and ratios that are not finite (a parameter of norm 0)
+    are left out: a bias that starts at zero has such ratios on every healthy run.
+    """
 
     def judged(self, chunk: pl.DataFrame) -> Iterable[tuple[pl.DataFrame, pl.Expr]]:
         import polars as pl
 
         low, high = self.context.thresholds.update_to_weight_band
-        rows = base.values(chunk, UPDATE, "update_to_weight")
+        rows = base.values(chunk, UPDATE, "update_to_weight").filter(
+            pl.col("value").is_finite() & ~pl.col("tensor_path").str.ends_with(BIAS)
+        )
         yield rows, (pl.col("value") < low) | (pl.col("value") > high)
 
     def finding(self, row: dict[str, Any]) -> Finding:

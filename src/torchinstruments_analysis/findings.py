@@ -25,8 +25,10 @@ Rules (``Rule``), all thresholds in ``Thresholds``:
 - ``nonfinite_onset``: the first sample with ``nonfinite_fraction > 0``, per layer and signal;
   the first of them in the run (earliest sample; forward order for outputs, backward order for
   gradients) is marked as where it started.
-- ``update_to_weight``: ``update_to_weight`` outside ``update_to_weight_band`` (only where the
-  ``update`` signal is recorded).
+- ``update_to_weight``: a weight's ``update_to_weight`` (rms of its update over rms of the
+  weight, ~1e-3 in healthy training) outside ``update_to_weight_band`` (only where the ``update``
+  signal is recorded: ``inject_observer(..., optimizer=opt)``). Biases and ratios that are not
+  finite are left out (a bias that starts at zero has an infinite ratio, then one near 1).
 - ``outliers``: ``max_abs / rms`` of a layer's outputs above ``outlier_ratio``.
 - ``rank_disagreement``: the same layer, signal, metric (``rank_metrics``) and step differing
   across ranks by more than ``rank_factor`` times.
