@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from torchinstruments_analysis import _rule_base as base
 from torchinstruments_analysis._chunks import Onsets
-from torchinstruments_analysis._rule_base import KEYS, Finding, Rule, RuleContext
-from torchinstruments_analysis._signals import BIAS, OUTPUT, OUTPUT_GRADIENT, UPDATE
+from torchinstruments_analysis._rule_base import Finding, Rule, RuleContext
+from torchinstruments_analysis._signals import BIAS, OUTPUT, UPDATE
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -36,7 +36,7 @@ def _bounds(context: RuleContext, layer: str) -> tuple[float, float] | None:
     return (0.0, 1.0) if "sigmoid" in name else (-1.0, 1.0) if "tanh" in name else None
 
 
-class _OnsetRule:
+class OnsetRule:
     """A rule whose facts are onsets: per tensor, the first sample where a condition holds."""
 
     def __init__(self, context: RuleContext) -> None:
@@ -61,7 +61,7 @@ class _OnsetRule:
         raise NotImplementedError
 
 
-class DeadUnits(_OnsetRule):
+class DeadUnits(OnsetRule):
     """ReLU-family outputs exactly zero in at least ``dead_zero_fraction`` of their entries."""
 
     def judged(self, chunk: pl.DataFrame) -> Iterable[tuple[pl.DataFrame, pl.Expr]]:
@@ -84,7 +84,7 @@ class DeadUnits(_OnsetRule):
         )
 
 
-class Saturation(_OnsetRule):
+class Saturation(OnsetRule):
     """Sigmoid/tanh-family outputs with at least half their entries at a bound of the range."""
 
     def judged(self, chunk: pl.DataFrame) -> Iterable[tuple[pl.DataFrame, pl.Expr]]:
@@ -127,103 +127,7 @@ def _saturated_share(
     return "50%", "the bounds", "p25"
 
 
-class GradientSteps:
-    """Output-gradient rms of adjacent layers (backward order) apart by ``gradient_step_factor``.
-
-    Gives ``vanishing_gradient`` and ``exploding_gradient`` findings.
-    """
-
-    def __init__(self, context: RuleContext) -> None:
-        self.context = context
-        self.onsets = {Rule.VANISHING_GRADIENT: Onsets(), Rule.EXPLODING_GRADIENT: Onsets()}
-
-    def add(self, chunk: pl.DataFrame) -> None:
-        """Pair each layer with the next one in the same sample, and judge the ratio."""
-        import polars as pl
-
-        factor = self.context.thresholds.gradient_step_factor
-        paired = _next_layer_ratio(chunk, self.context.order)
-        self.onsets[Rule.VANISHING_GRADIENT].add(paired, pl.col("ratio") < 1 / factor)
-        self.onsets[Rule.EXPLODING_GRADIENT].add(paired, pl.col("ratio") > factor)
-
-    def findings(self) -> list[Finding]:
-        """One finding per layer and direction where the step held."""
-        factor = self.context.thresholds.gradient_step_factor
-        return [
-            base.finding(
-                rule,
-                row,
-                "rms",
-                row["ratio"],
-                factor,
-                f"the output-gradient rms of {row['layer']} is {row['ratio']:.3g} times "
-                f"that of {row['_next_layer']}, the layer after it that the gradient comes "
-                f"from (beyond {factor:g}x) at {base.where(row, self.context)}{base.held(row)}",
-            )
-            for rule, onsets in self.onsets.items()
-            for row in onsets.rows()
-        ]
-
-
-def _next_layer_ratio(chunk: pl.DataFrame, order: dict[str, int]) -> pl.DataFrame:
-    import polars as pl
-
-    rows = base.values(chunk, OUTPUT_GRADIENT, "rms")
-    per_layer = rows.group_by("rank", "sample_id", "step", "layer", "signal").agg(
-        pl.col("value").max()
-    )
-    ordered = per_layer.with_columns(
-        _pos=pl.col("layer").replace_strict(order, return_dtype=pl.Int64())
-    ).sort("rank", "sample_id", "_pos")
-    nxt = pl.col("value").shift(-1).over("rank", "sample_id")
-    paired = ordered.with_columns(
-        _next=nxt, _next_layer=pl.col("layer").shift(-1).over("rank", "sample_id")
-    ).filter(pl.col("_next") > 0)
-    return paired.with_columns(
-        ratio=pl.col("value") / pl.col("_next"),
-        call_index=pl.lit(0, dtype=rows.schema["call_index"]),
-        tensor_path=pl.lit(OUTPUT).cast(rows.schema["tensor_path"]),
-    ).select("sample_id", "step", *KEYS, "ratio", "_next_layer")
-
-
-class GradientLost(_OnsetRule):
-    """A layer that had an output gradient reports ``no_gradient`` in a later backward sample."""
-
-    def __init__(self, context: RuleContext) -> None:
-        super().__init__(context)
-        self._had: pl.DataFrame | None = None  # the tensors that had a gradient in a past span
-
-    def add(self, chunk: pl.DataFrame) -> None:
-        """Judge one span; remember which tensors had a gradient so far."""
-        import polars as pl
-
-        grads = chunk.filter((pl.col("signal") == OUTPUT_GRADIENT) & (pl.col("metric") == "rms"))
-        backward = grads.filter(pl.col("value").is_not_null()).select("rank", "sample_id").unique()
-        rows = grads.join(backward, on=["rank", "sample_id"])
-        before = pl.lit(value=False)
-        if self._had is not None:
-            rows = rows.join(self._had, on=list(KEYS), how="left", nulls_equal=True)
-            before = pl.col("_before").fill_null(value=False)
-        rows = rows.sort("sample_id")  # a join keeps no order; "had" reads them in time
-        had = before | (pl.col("value").is_not_null().cum_sum().over(KEYS) > 0)
-        self.onsets.add(rows, (pl.col("unavailable_reason") == "no_gradient") & had)
-        measured = grads.filter(pl.col("value").is_not_null()).select(KEYS).unique()
-        known = measured if self._had is None else pl.concat([self._had.select(KEYS), measured])
-        self._had = known.unique().with_columns(_before=pl.lit(value=True))
-
-    def finding(self, row: dict[str, Any]) -> Finding:
-        return base.finding(
-            Rule.GRADIENT_LOST,
-            row,
-            "rms",
-            None,
-            0.0,
-            f"{row['layer']} has no output gradient at {base.where(row, self.context)} although "
-            f"it had one before and other layers have one in that sample{base.held(row)}",
-        )
-
-
-class NonfiniteOnset(_OnsetRule):
+class NonfiniteOnset(OnsetRule):
     """Per layer and signal, the first sample with ``nonfinite_fraction > 0``."""
 
     def judged(self, chunk: pl.DataFrame) -> Iterable[tuple[pl.DataFrame, pl.Expr]]:
@@ -262,7 +166,7 @@ class NonfiniteOnset(_OnsetRule):
         return found
 
 
-class UpdateToWeight(_OnsetRule):
+class UpdateToWeight(OnsetRule):
     """``update_to_weight`` of a weight outside ``update_to_weight_band``.
 
     Biases (parameters named ``*bias``) and ratios that are not finite (a parameter of norm 0)
@@ -292,7 +196,7 @@ class UpdateToWeight(_OnsetRule):
         )
 
 
-class Outliers(_OnsetRule):
+class Outliers(OnsetRule):
     """Outputs whose ``max_abs / rms`` exceeds ``outlier_ratio``."""
 
     def judged(self, chunk: pl.DataFrame) -> Iterable[tuple[pl.DataFrame, pl.Expr]]:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Protocol
 
-from torchinstruments_analysis import _rules, _rules_run
+from torchinstruments_analysis import _rules, _rules_gradient, _rules_run
 from torchinstruments_analysis._chunks import chunks, spans
 from torchinstruments_analysis._rule_base import (
     KEYS,
@@ -69,9 +69,9 @@ RULES: tuple[Callable[[RuleContext], ChunkRule], ...] = (
     _rules.NonfiniteOnset,
     _rules.DeadUnits,
     _rules.Saturation,
-    _rules.GradientSteps,
+    _rules_gradient.GradientSteps,
     _rules_run.GradientGrowth,
-    _rules.GradientLost,
+    _rules_gradient.GradientLost,
     _rules_run.ScaleDrift,
     _rules.Outliers,
     _rules.UpdateToWeight,
