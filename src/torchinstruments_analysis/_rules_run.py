@@ -29,6 +29,9 @@ class _Drift:
 
     signal: str
     both_ways: bool
+    rule: Rule
+    noun: str  # whose rms: "output", "output-gradient"
+    verb: str
 
     def __init__(self, context: RuleContext) -> None:
         self.context = context
@@ -90,6 +93,25 @@ class _Drift:
             found.add(judged, beyond)
         return found.rows()
 
+    def findings(self) -> list[Finding]:
+        """One finding per tensor whose rms moved."""
+        t, factor = self.context.thresholds, self._factor()
+        either = " either way" if self.both_ways else ""
+        return [
+            base.finding(
+                self.rule,
+                row,
+                "rms",
+                row["ratio"],
+                factor,
+                f"the {self.noun} rms of {row['layer']} {self.verb} {row['ratio']:.3g} times "
+                f"(beyond {factor:g}x{either}) from its first {t.window} samples "
+                f"({row['early']:.3g}) to its last {t.window} ({row['recent']:.3g}); first "
+                f"beyond at {base.where(row, self.context)}",
+            )
+            for row in self.onsets()
+        ]
+
     def _factor(self) -> float:
         raise NotImplementedError
 
@@ -97,57 +119,21 @@ class _Drift:
 class GradientGrowth(_Drift):
     """Output-gradient rms of the last samples ``gradient_growth_factor`` times the first ones."""
 
-    signal = OUTPUT_GRADIENT
+    signal, rule, noun, verb = OUTPUT_GRADIENT, Rule.GRADIENT_GROWTH, "output-gradient", "grew"
     both_ways = False
 
     def _factor(self) -> float:
         return self.context.thresholds.gradient_growth_factor
 
-    def findings(self) -> list[Finding]:
-        """One finding per tensor whose output gradient grew."""
-        t, factor = self.context.thresholds, self._factor()
-        return [
-            base.finding(
-                Rule.GRADIENT_GROWTH,
-                row,
-                "rms",
-                row["ratio"],
-                factor,
-                f"the output-gradient rms of {row['layer']} grew {row['ratio']:.3g} times "
-                f"(beyond {factor:g}x) from its first {t.window} samples ({row['early']:.3g}) to "
-                f"its last {t.window} ({row['recent']:.3g}); first beyond at "
-                f"{base.where(row, self.context)}",
-            )
-            for row in self.onsets()
-        ]
-
 
 class ScaleDrift(_Drift):
     """Output rms of the last samples ``scale_drift_factor`` times larger or smaller."""
 
-    signal = OUTPUT
+    signal, rule, noun, verb = OUTPUT, Rule.SCALE_DRIFT, OUTPUT, "moved"
     both_ways = True
 
     def _factor(self) -> float:
         return self.context.thresholds.scale_drift_factor
-
-    def findings(self) -> list[Finding]:
-        """One finding per tensor whose output scale drifted."""
-        t, factor = self.context.thresholds, self._factor()
-        return [
-            base.finding(
-                Rule.SCALE_DRIFT,
-                row,
-                "rms",
-                row["ratio"],
-                factor,
-                f"the output rms of {row['layer']} moved {row['ratio']:.3g} times (beyond "
-                f"{factor:g}x either way) from its first {t.window} samples ({row['early']:.3g}) "
-                f"to its last {t.window} ({row['recent']:.3g}); first beyond at "
-                f"{base.where(row, self.context)}",
-            )
-            for row in self.onsets()
-        ]
 
 
 class RankDisagreement:
