@@ -178,7 +178,7 @@ class UpdateToWeight(OnsetRule):
 
         low, high = self.context.thresholds.update_to_weight_band
         rows = base.values(chunk, UPDATE, "update_to_weight").filter(
-            pl.col("value").is_finite() & ~pl.col("tensor_path").str.ends_with(BIAS)
+            pl.col("value").is_finite() & ~pl.col("tensor_path").cast(pl.String).str.ends_with(BIAS)
         )
         yield rows, (pl.col("value") < low) | (pl.col("value") > high)
 

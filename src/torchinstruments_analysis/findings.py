@@ -142,8 +142,12 @@ def _context(run: RunLike, thresholds: Thresholds, chunk_rows: int) -> RuleConte
     import polars as pl
 
     metrics = ["rms", "zero_fraction", "nonfinite_fraction", "max_abs", "p25", "p75"]
-    history = run.history.filter(pl.col("metric").is_in([*metrics, "update_to_weight"])).select(
-        "rank", "sample_id", "step", *KEYS[1:], "metric", "value", "unavailable_reason"
+    names = ["layer", "signal", "tensor_path", "metric", "unavailable_reason"]
+    history = (
+        run.history.filter(pl.col("metric").is_in([*metrics, "update_to_weight"]))
+        .select("rank", "sample_id", "step", *KEYS[1:], "metric", "value", "unavailable_reason")
+        # a name repeats in every sample: as a category the rules group and join on integers
+        .with_columns(pl.col(name).cast(pl.Categorical) for name in names)
     )
     ranks = run.history.select(pl.col("rank").n_unique()).collect(engine="streaming").item()
     order = {name: i for i, name in enumerate(run.layers)}
