@@ -110,3 +110,11 @@ def test_first_nonfinite_names_rank_1_before_rank_0(run: Path, capsys) -> None:
         True,
     )
     assert all(r["sample_id"] > HEALTHY for r in rows if r["rank"] == 0)
+
+
+def test_summary_keeps_the_ranks_apart(run: Path, capsys) -> None:
+    """``summary`` on the two-rank run: one row per rank and layer, never averaged together."""
+    rows = _rows(["summary", str(run), "--layers", "0"], capsys, 0)
+    by_rank = {r["rank"]: r for r in rows}
+    assert sorted(by_rank) == [0, 1]
+    assert by_rank[1]["output_rms"] > SCALE / 2 * by_rank[0]["output_rms"]
