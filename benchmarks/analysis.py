@@ -1,12 +1,13 @@
 """Reading a long run: time and peak memory of ``summary``, ``first_nonfinite`` and ``find``.
 
 Writes a synthetic finished run (default 10,000 samples x 100 layers x 2 signals x 11 metrics,
-22 M rows, in ``history.parquet`` compacted by the core as at the end of a run) whose layer 50
-turns non-finite at sample 9,000, then measures in a fresh process each: ``open_run``,
-``summary`` (every layer, the default signals and metrics), ``first_nonfinite`` and
-``findings.find`` (every rule, default thresholds).
+22 M rows, in ``history.parquet`` compacted by the core as at the end of a run) whose layers
+from 50 on turn non-finite at nine tenths of the run, then measures in a fresh process each:
+``open_run``, ``summary`` (every layer, the default signals and metrics), ``first_nonfinite``
+and ``findings.find`` (every rule, default thresholds). The same for a shorter run (default
+2,300 samples, 5 M rows): a peak that does not grow with the run is bounded memory.
 
-    uv run python benchmarks/analysis.py [--samples 10000] [--layers 100]
+    uv run python benchmarks/analysis.py [--samples 10000] [--short 2300] [--layers 100]
 
 Prints a Markdown table: seconds and peak RSS (``VmHWM``, Linux) of each step, and the process's
 peak after imports.
@@ -19,7 +20,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from compaction import METRICS
@@ -112,27 +112,31 @@ print(json.dumps({{"seconds": seconds, "peak_mib": peak, "baseline_mib": baselin
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=10_000)
+    parser.add_argument("--short", type=int, default=2_300, help="samples of the shorter run")
     parser.add_argument("--layers", type=int, default=100)
-    parser.add_argument("--keep", type=Path, help="write the run here (reused when it exists)")
+    parser.add_argument("--keep", type=Path, help="write the runs under here (reused if there)")
     arguments = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        root = arguments.keep or Path(folder) / "run"
-        if not root.exists():
-            started = time.perf_counter()
-            write_run(root, arguments.samples, arguments.layers)
-            print(f"run written in {time.perf_counter() - started:.1f} s")
-        import polars as pl
+        base = arguments.keep or Path(folder)
+        print("| run rows | step | seconds | peak RSS (MiB) | RSS after imports (MiB) | rows out |")
+        print("|---|---|---|---|---|---|")
+        for samples in (arguments.samples, arguments.short):
+            root = base / f"run-{samples}x{arguments.layers}"
+            if not root.exists():
+                write_run(root, samples, arguments.layers)
+            rows = _rows(root)
+            for step in ("open_run", "summary", "first_nonfinite", "find"):
+                m = measure(step, root)
+                print(
+                    f"| {rows / 1e6:.1f} M | `{step}` | {m['seconds']:.1f} | "
+                    f"{m['peak_mib']:.0f} | {m['baseline_mib']:.0f} | {m['rows']:.0f} |"
+                )
 
-        rows = pl.scan_parquet(root / "history.parquet").select(pl.len()).collect().item()
-        print(f"{int(rows):,} rows in history.parquet\n")
-        print("| step | seconds | peak RSS (MiB) | RSS after imports (MiB) | rows out |")
-        print("|---|---|---|---|---|")
-        for step in ("open_run", "summary", "first_nonfinite", "find"):
-            m = measure(step, root)
-            print(
-                f"| `{step}` | {m['seconds']:.1f} | {m['peak_mib']:.0f} | "
-                f"{m['baseline_mib']:.0f} | {m['rows']:.0f} |"
-            )
+
+def _rows(root: Path) -> int:
+    import polars as pl
+
+    return int(pl.scan_parquet(root / "history.parquet").select(pl.len()).collect().item())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Plant five common training faults, record each run, and let the findings name them.
+"""Plant six common training faults, record each run, and let the findings name them.
 
     uv run examples/find_problems.py --out runs/find_problems
     uv run --with "matplotlib>=3.8" examples/find_problems.py --out runs/find_problems  # + plots
@@ -21,9 +21,10 @@ The faults and their fixes:
   (``nonfinite_onset``, first in ``log``). Fix: ``log`` clamps its input to a small positive value.
 - ``detached_branch``: ``branch_b``'s output is detached from the graph, so its layers get no
   gradient (``gradient_lost``). Fix: no detach.
-
-A learning-rate fault (``update_to_weight``) needs the ``update`` signal, which no trainer
-records yet: it is skipped here.
+- ``learning_rate``: a schedule multiplies the learning rate by 10 at every step (``lr *= 10``
+  instead of ``lr = peak``), so each update becomes a large part of its weight
+  (``update_to_weight``, recorded by ``inject_observer(..., optimizer=optimizer)``). Fix: the
+  schedule sets the learning rate to its peak (twice the base), once.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Fault(StrEnum):
     GROWING_SCALE = "growing_scale"
     INVALID_LOG = "invalid_log"
     DETACHED_BRANCH = "detached_branch"
+    LEARNING_RATE = "learning_rate"
 
 
 class Variant(StrEnum):
@@ -65,6 +67,7 @@ EXPECTED: dict[Fault, tuple[Rule, str]] = {
     Fault.GROWING_SCALE: (Rule.SCALE_DRIFT, "gain"),
     Fault.INVALID_LOG: (Rule.NONFINITE_ONSET, "log"),
     Fault.DETACHED_BRANCH: (Rule.GRADIENT_LOST, "branch_b.1"),
+    Fault.LEARNING_RATE: (Rule.UPDATE_TO_WEIGHT, "head"),
 }
 
 
@@ -133,10 +136,25 @@ def build(fault: Fault, variant: Variant) -> nn.Module:
     return nn.Sequential(layers)
 
 
+def base_lr(fault: Fault) -> float:
+    """The learning rate before any accident.
+
+    The learning-rate fault starts from 1e-3: at 0.01 every update of ``head.weight`` is already
+    ~7% of the weight on this data, near the ``update_to_weight`` band's top (0.1).
+    """
+    return 1e-3 if fault is Fault.LEARNING_RATE else 0.01
+
+
 @torch.no_grad()
-def inject(fault: Fault, variant: Variant, model: nn.Module, step: int) -> None:
+def inject(
+    fault: Fault, variant: Variant, model: nn.Module, optimizer: torch.optim.Optimizer, step: int
+) -> None:
     """The accident of ``fault`` at ``step`` (from the first step after the healthy samples)."""
     if variant is Variant.BASELINE or step < HEALTHY_SAMPLES:
+        return
+    if fault is Fault.LEARNING_RATE:
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * 10 if variant is Variant.BROKEN else 2 * base_lr(fault)
         return
     if fault is Fault.GROWING_SCALE:
         model.get_submodule("gain").step(grow=variant is Variant.BROKEN)  # type: ignore[operator]
@@ -160,11 +178,14 @@ def record(fault: Fault, variant: Variant, out: Path) -> Path:
     """Train one variant of one fault for ``STEPS`` steps, sampling every forward."""
     torch.manual_seed(0)
     model = build(fault, variant)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer = torch.optim.SGD(model.parameters(), lr=base_lr(fault))
     run_dir = out / fault / variant
-    with inject_observer(model, sampler=EveryNForwardsSampler(1), output_dir=run_dir):
+    # the optimizer's steps are recorded (update_to_weight) where a fault needs them
+    steps = optimizer if fault is Fault.LEARNING_RATE else None
+    sampler = EveryNForwardsSampler(1)
+    with inject_observer(model, sampler=sampler, output_dir=run_dir, optimizer=steps):
         for step in range(STEPS):
-            inject(fault, variant, model, step)
+            inject(fault, variant, model, optimizer, step)
             x, y = batch(fault, variant, step)
             loss = (model(x) - y).square().mean()
             optimizer.zero_grad()
@@ -178,7 +199,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/find_problems"))
     parser.add_argument("--fault", choices=[f.value for f in Fault], action="append")
     args = parser.parse_args()
-    print("learning-rate fault skipped: the update signal (update_to_weight) is not recorded yet")
     for fault in [Fault(f) for f in args.fault or Fault]:
         runs = {variant: record(fault, variant, args.out) for variant in Variant}
         for variant, run_dir in runs.items():

@@ -51,11 +51,17 @@ def record(
     loss_scale: Callable[[int], float] = lambda step: 1.0,
     lr: float = 0.01,
     batch: int = 64,
+    optimizer_steps: bool = False,
 ) -> Path:
-    """Train ``net`` for ``steps`` steps sampling every forward; ``fault(net, step)`` runs first."""
+    """Train ``net`` for ``steps`` steps sampling every forward; ``fault(net, step)`` runs first.
+
+    ``optimizer_steps``: the optimizer's steps are recorded too (``update_to_weight``...).
+    """
     torch.manual_seed(0)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
-    with inject_observer(net, sampler=EveryNForwardsSampler(1), output_dir=out):
+    watched = optimizer if optimizer_steps else None
+    sampler = EveryNForwardsSampler(1)
+    with inject_observer(net, sampler=sampler, output_dir=out, optimizer=watched):
         for step in range(steps):
             if fault is not None:
                 with torch.no_grad():

@@ -6,7 +6,9 @@ import math
 
 import polars as pl
 import pytest
+from torch import nn
 
+from analysis_helpers import model, record
 from analysis_runs import GradientBlowup, blowup_model, train, write_rank_folders
 from torchinstruments_analysis import diff, first_nonfinite, open_run, ranks, summary
 from torchinstruments_core.run_directory import history_schema
@@ -85,6 +87,37 @@ def test_summary_adds_update_to_weight_only_when_the_run_has_it(tmp_path):
     assert table["update_to_weight"].to_list() == [pytest.approx(2e-3), None]
     assert table["update_to_weight_early"][0] == pytest.approx(1e-3)
     assert table["update_to_weight_recent"][0] == pytest.approx(3e-3)
+
+
+def test_summary_shows_the_optimizer_steps_per_layer(tmp_path):
+    """A run recorded with its optimizer: each layer's weights' update_to_weight and gradient rms.
+
+    They are the means over the step records of the layer's weights (biases left out), and the
+    whole-model rows (layer ``<model>``) give no row of their own.
+    """
+    path = record(tmp_path / "run", model(("relu2", nn.ReLU())), optimizer_steps=True)
+    table = summary(open_run(path))
+    history = pl.read_parquet(path / "history.parquet")
+    assert history.filter(pl.col("layer") == "<model>").height > 0
+    assert table["layer"].to_list() == ["fc1", "relu1", "fc2", "relu2", "head"]
+    assert table["samples"].to_list() == [12] * 5  # forward samples; step records apart
+    columns = {
+        "update_to_weight": ("update", "update_to_weight"),
+        "parameter_gradient_rms": ("parameter_gradient", "rms"),
+    }
+    for row in table.iter_rows(named=True):
+        for column, (signal, metric) in columns.items():
+            weight = history.filter(
+                pl.col("layer") == row["layer"],
+                pl.col("signal") == signal,
+                pl.col("metric") == metric,
+                pl.col("tensor_path") == "weight",
+            )["value"]
+            if weight.len() == 0:  # a ReLU has no parameter
+                assert row[column] is None
+            else:
+                assert row[column] == pytest.approx(weight.mean())
+                assert row[f"{column}_early"] == pytest.approx(weight[:2].mean())  # 2 of 12
 
 
 def test_first_nonfinite_names_the_forward_layer_that_started_it(runs):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import polars as pl
 import pytest
+from polars.testing import assert_frame_equal
 
 from analysis_helpers import load_example
 from torchinstruments_analysis.findings import Rule, find
@@ -48,3 +49,38 @@ def test_baselines_give_no_finding_at_all(tmp_path) -> None:
     for fault in example.Fault:
         run = example.record(fault, example.Variant.BASELINE, tmp_path)
         assert find(open_run(run)).height == 0, fault
+
+
+def test_findings_do_not_depend_on_how_much_is_read_at_once(tmp_path) -> None:
+    """Read one sample at a time, every broken run gives exactly the findings read whole gives.
+
+    ``find`` reads a run in spans of samples (bounded memory); onsets, counts, drifts and lost
+    gradients carry across spans, so the smallest spans change no row.
+    """
+    for fault in example.Fault:
+        run = open_run(example.record(fault, example.Variant.BROKEN, tmp_path))
+        whole = find(run, chunk_rows=10**9)
+        assert whole.height > 0, fault
+        assert_frame_equal(find(run, chunk_rows=1), whole)
+
+
+def test_a_learning_rate_too_large_names_each_weight_from_its_first_large_step(tmp_path) -> None:
+    """A learning rate 10x larger each step names every weight, at a step record after the fault.
+
+    The ratios of the healthy steps sit near 1e-3 (Karpathy's rule of thumb); the finding
+    comes at an optimizer step record (``samples.parquet`` kind ``step``) after the fault began.
+    """
+    fault = example.Fault.LEARNING_RATE
+    run = open_run(example.record(fault, example.Variant.BROKEN, tmp_path))
+    found = find(run).filter(pl.col("rule") == Rule.UPDATE_TO_WEIGHT.value)
+    assert set(found["layer"]) == {"fc1", "fc2", "head"}
+    assert (found["value"] > 0.1).all()
+    records = run.samples.collect()
+    steps = records.filter(pl.col("kind") == "step").sort("sample_id")["sample_id"].to_list()
+    assert set(found["sample_id"]) <= set(steps[example.HEALTHY_SAMPLES :])
+    healthy = run.history.filter(
+        pl.col("metric") == "update_to_weight",
+        pl.col("tensor_path") == "weight",
+        pl.col("sample_id").is_in(steps[: example.HEALTHY_SAMPLES]),
+    ).collect()["value"]
+    assert 1e-4 < healthy.to_frame().select(pl.col("value").median()).item() < 1e-2

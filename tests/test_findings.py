@@ -8,11 +8,12 @@ from typing import TypeVar
 import polars as pl
 import pytest
 import torch
+from polars.testing import assert_frame_equal
 from torch import nn
 
 from analysis_helpers import FAULT_AT, FrameRun, Gain, model, record
 from torchinstruments_analysis.findings import COLUMNS, Rule, Thresholds, find
-from torchinstruments_analysis.read import open_run
+from torchinstruments_analysis.read import Run, open_run
 
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -260,3 +261,56 @@ def test_the_analysis_modules_import_no_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("fault", ["ranks", "growth", "exploding"])
+def test_cross_sample_rules_read_in_spans_give_the_same_rows(tmp_path, fault) -> None:
+    """Rank comparisons, gradient growth and gradient steps read one sample at a time: same rows.
+
+    A step's ranks may sit in two spans, and growth compares a tensor's first samples with its
+    last: both carry across spans exactly.
+    """
+    run: FrameRun | Run
+    if fault == "ranks":
+        run = _two_ranks(tmp_path, 1000.0)
+    elif fault == "growth":
+        scale = lambda step: 10.0 ** max(0, step - FAULT_AT + 1)  # noqa: E731
+        net = model(("relu2", nn.ReLU()))
+        run = open_run(record(tmp_path / "run", net, loss_scale=scale, lr=0.0, steps=10))
+    else:
+
+        def set_gain(net: nn.Module, step: int) -> None:
+            if _at_fault(net, step):
+                _part(net, "gain", Gain).gain = 1e4
+
+        run = open_run(record(tmp_path / "run", model(("gain", Gain())), fault=set_gain))
+    whole = find(run, chunk_rows=10**9)
+    assert whole.height > 0
+    assert_frame_equal(find(run, chunk_rows=1), whole)
+
+
+def test_find_refuses_an_empty_span(healthy) -> None:
+    """``chunk_rows`` below 1 fails at once, naming the argument and the value."""
+    with pytest.raises(ValueError, match=r"chunk_rows=0"):
+        find(open_run(healthy), chunk_rows=0)
+
+
+def test_update_to_weight_leaves_out_biases_that_start_at_zero(tmp_path) -> None:
+    """A LayerNorm's zero bias has an infinite, then large, ratio: no finding; weights are read.
+
+    Recorded for real with ``inject_observer(..., optimizer=...)``; the same run with a band
+    whose top sits below the weights' ratios names them.
+    """
+    net = model(("norm", nn.LayerNorm(32)), ("relu2", nn.ReLU()))
+    run = open_run(record(tmp_path / "run", net, optimizer_steps=True))
+    ratios = run.history.filter(pl.col("metric") == "update_to_weight").collect()
+    bias = ratios.filter(pl.col("layer") == "norm", pl.col("tensor_path") == "bias")
+    bias = bias.sort("sample_id")
+    assert bias.item(0, "unavailable_reason") == "non_finite_result"  # 0 / 0 at the first step
+    assert bias.select(pl.col("value").max()).item() > 0.1  # then a step as large as the bias
+    assert _rule(find(run), Rule.UPDATE_TO_WEIGHT).height == 0
+    weights = ratios.filter(pl.col("tensor_path") == "weight")["value"]
+    tight = Thresholds(update_to_weight_band=(1e-9, min(weights.drop_nulls().to_list()) / 2))
+    named = _rule(find(run, thresholds=tight), Rule.UPDATE_TO_WEIGHT)
+    assert set(named["layer"]) == {"fc1", "fc2", "norm", "head"}
+    assert named["message"].str.contains(".weight is").all()

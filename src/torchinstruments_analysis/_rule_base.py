@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torchinstruments_analysis._signals import OUTPUT
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
     import polars as pl
 
 KEYS = ("rank", "layer", "call_index", "signal", "tensor_path")
@@ -49,7 +47,9 @@ class Thresholds:
             is this many times larger or smaller than that of the first ``window`` (10).
         window: How many samples make "early" and "recent" (3); the drift and growth rules need
             at least twice this many samples of a layer.
-        update_to_weight_band: ``update_to_weight`` outside ``[low, high]`` (1e-5, 1e-1).
+        update_to_weight_band: ``update_to_weight`` outside ``[low, high]`` (1e-5, 1e-1): two
+            decades either side of the ~1e-3 of healthy training (Karpathy's rule of thumb), so
+            Adam's first steps on small weights (lr 1e-3 on GPT-2's 0.02 init: ~5e-2) pass.
         outlier_ratio: ``outliers`` when ``max_abs / rms`` of a layer's outputs exceeds it (50).
         rank_factor: ``rank_disagreement`` when ranks differ by more than this factor (10).
         rank_metrics: The metrics compared across ranks (``rms``).
@@ -100,60 +100,53 @@ class Finding:
 
 @dataclass(frozen=True, slots=True)
 class RuleContext:
-    # the rows the rules read, lazily: each rule collects only its slice (bounded memory)
+    """The rules' view of a run: its rows lazily (read a span of samples at a time), its layers."""
+
     history: pl.LazyFrame
     order: dict[str, int]  # layer -> forward position
     types: dict[str, str]
     ranks: int
     thresholds: Thresholds
+    spans: tuple[tuple[int, int], ...]  # [first, last] sample ids, in order, covering the run
 
 
-def gather(frame: pl.LazyFrame) -> pl.DataFrame:
-    """Collect a rule's slice of the run with the streaming engine (never the whole table)."""
-    return frame.collect(engine="streaming")
+class ChunkRule(Protocol):
+    """A rule fed the run a span of samples at a time (bounded memory), in sample order."""
+
+    def add(self, chunk: pl.DataFrame) -> None:
+        """Take in the rows of the next span of samples."""
+
+    def findings(self) -> list[Finding]:
+        """The facts, once every span was added."""
 
 
-def values(context: RuleContext, signal: str, metric: str) -> pl.DataFrame:
+def values(chunk: pl.DataFrame, signal: str, metric: str) -> pl.DataFrame:
+    """The rows of one signal's metric that have a value."""
     import polars as pl
 
-    return gather(
-        context.history.filter(
-            (pl.col("signal") == signal)
-            & (pl.col("metric") == metric)
-            & pl.col("value").is_not_null()
-        )
+    return chunk.filter(
+        (pl.col("signal") == signal) & (pl.col("metric") == metric) & pl.col("value").is_not_null()
     )
 
 
-def wide(context: RuleContext, signal: str, metrics: list[str]) -> pl.DataFrame:
+def wide(chunk: pl.DataFrame, signal: str, metrics: list[str]) -> pl.DataFrame:
     """One row per tensor and sample with one column per metric (rows lacking one dropped)."""
     import polars as pl
 
-    rows = gather(
-        context.history.filter(
-            (pl.col("signal") == signal)
-            & pl.col("metric").is_in(metrics)
-            & pl.col("value").is_not_null()
-        )
+    index = ["sample_id", "step", *KEYS]
+    rows = chunk.filter(
+        (pl.col("signal") == signal)
+        & pl.col("metric").is_in(metrics)
+        & pl.col("value").is_not_null()
     )
     if rows.height == 0:
-        return pl.DataFrame(schema={**rows.schema, **dict.fromkeys(metrics, pl.Float64())})
-    wide = rows.pivot("metric", index=["sample_id", "step", *KEYS], values="value")
+        empty = {name: rows.schema[name] for name in index} | dict.fromkeys(metrics, pl.Float64())
+        return pl.DataFrame(schema=empty)
+    wide = rows.pivot("metric", index=index, values="value")
     for metric in metrics:
         if metric not in wide.columns:
             wide = wide.with_columns(pl.lit(None, dtype=pl.Float64()).alias(metric))
-    return wide.drop_nulls(metrics)
-
-
-def onsets(frame: pl.DataFrame, holds: pl.Expr) -> Iterable[dict[str, Any]]:
-    """Per tensor: the first sample where ``holds``, with how many of its samples it held in."""
-    import polars as pl
-
-    counted = frame.with_columns(
-        _held=holds, _total=pl.len().over(KEYS), _count=holds.sum().over(KEYS)
-    )
-    first = counted.filter(pl.col("_held")).sort("sample_id").group_by(KEYS).first()
-    return first.iter_rows(named=True)
+    return wide.select(*index, *metrics).drop_nulls(metrics)
 
 
 def where(row: dict[str, Any], context: RuleContext) -> str:

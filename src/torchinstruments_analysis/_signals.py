@@ -33,3 +33,10 @@ INPUT_GRADIENT = "input_gradient"
 
 MODEL_LAYER = "<model>"
 """The ``layer`` of the whole-model rows of a step record (global norms)."""
+
+BIAS = "bias"
+"""How a bias parameter's name ends: its ratios are left out where weights are meant.
+
+Biases often start at zero (``LayerNorm``, many initializations), so their update-to-weight
+ratio is infinite, then near 1, on a healthy run: it says nothing about the learning rate.
+"""

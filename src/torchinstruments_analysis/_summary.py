@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 from torchinstruments_analysis._select import in_execution_order, select
-from torchinstruments_analysis._signals import OUTPUT, OUTPUT_GRADIENT
+from torchinstruments_analysis._signals import (
+    BIAS,
+    MODEL_LAYER,
+    OUTPUT,
+    OUTPUT_GRADIENT,
+    PARAMETER_GRADIENT,
+    UPDATE,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -18,6 +25,12 @@ DEFAULT_SIGNALS = (OUTPUT, OUTPUT_GRADIENT)
 DEFAULT_METRICS = ("rms", "zero_fraction", "nonfinite_fraction")
 UPDATE_TO_WEIGHT = "update_to_weight"
 """A step record's metric (the size of the update against the weight), summed up when present."""
+
+STEP_COLUMNS = {
+    UPDATE_TO_WEIGHT: (UPDATE, UPDATE_TO_WEIGHT),
+    f"{PARAMETER_GRADIENT}_rms": (PARAMETER_GRADIENT, "rms"),
+}
+"""Per-layer columns from step records, when the run has them: column -> (signal, metric)."""
 
 _KEYS = ("rank", "layer", "call_index", "tensor_path")
 _TENTH = 0.1
@@ -41,9 +54,12 @@ def summary(
     a fraction also gets ``<signal>_<metric>_early`` and ``…_recent``, its mean over the first
     and the last tenth of the rank's samples (of those asked about: ``steps`` narrows them;
     a layer not measured in a tenth has null there). When the run holds step records with
-    ``update_to_weight``, the columns ``update_to_weight`` (mean over the layer's parameters
+    ``update_to_weight``, the columns ``update_to_weight`` (mean over the layer's weights
     and steps), ``update_to_weight_early`` and ``…_recent`` follow; without such rows they are
-    absent. A column of a signal or metric the run never measured holds nulls.
+    absent. Likewise ``parameter_gradient_rms`` (the gradient the optimizer used). Both are
+    over the layer's weights only (biases, which often start at zero, and ratios that are not
+    finite are left out). The whole-model rows of step records (layer ``<model>``) are not a
+    layer and never appear. A column of a signal or metric the run never measured holds nulls.
 
     Args:
         run: An opened run (``open_run``).
@@ -56,13 +72,13 @@ def summary(
     """
     signals, metrics = tuple(signals), tuple(metrics)
     rows = select(run, layers=layers, ranks=ranks, steps=steps)
+    rows = rows.filter(pl.col("layer") != MODEL_LAYER)
     measured = rows.filter(pl.col("signal").is_in(signals), pl.col("metric").is_in(metrics))
-    updates = rows.filter(pl.col("metric") == UPDATE_TO_WEIGHT)
-    per_tensor = _statistics(measured, _KEYS)
-    per_update = _statistics(updates, ("rank", "layer"))
-    wide = _wide(per_tensor, signals, metrics)
-    if per_update.height:
-        wide = wide.join(_updates(per_update), on=["rank", "layer"], how="left")
+    wide = _wide(_statistics(measured, _KEYS), signals, metrics)
+    for column, (signal, metric) in STEP_COLUMNS.items():
+        per_layer = _statistics(_weights(rows, signal, metric), ("rank", "layer"))
+        if per_layer.height:
+            wide = wide.join(_per_layer(per_layer, column), on=["rank", "layer"], how="left")
     if wide["rank"].n_unique() <= 1:
         wide = wide.drop("rank")
     return in_execution_order(run, wide, "call_index", "tensor_path")
@@ -118,9 +134,19 @@ def _wide(stats: pl.DataFrame, signals: Sequence[str], metrics: Sequence[str]) -
     return keys.select(*_KEYS, "samples", *columns)
 
 
-def _updates(stats: pl.DataFrame) -> pl.DataFrame:
+def _weights(rows: pl.LazyFrame, signal: str, metric: str) -> pl.LazyFrame:
+    """The finite values of one step signal's metric on the layers' weights (not biases)."""
+    return rows.filter(
+        pl.col("signal") == signal,
+        pl.col("metric") == metric,
+        ~pl.col("tensor_path").str.ends_with(BIAS),
+        pl.col("value").is_finite(),
+    )
+
+
+def _per_layer(stats: pl.DataFrame, column: str) -> pl.DataFrame:
     return stats.group_by("rank", "layer").agg(
-        pl.col("mean").mean().alias(UPDATE_TO_WEIGHT),
-        pl.col("early").mean().alias(f"{UPDATE_TO_WEIGHT}_early"),
-        pl.col("recent").mean().alias(f"{UPDATE_TO_WEIGHT}_recent"),
+        pl.col("mean").mean().alias(column),
+        pl.col("early").mean().alias(f"{column}_early"),
+        pl.col("recent").mean().alias(f"{column}_recent"),
     )

@@ -25,8 +25,10 @@ Rules (``Rule``), all thresholds in ``Thresholds``:
 - ``nonfinite_onset``: the first sample with ``nonfinite_fraction > 0``, per layer and signal;
   the first of them in the run (earliest sample; forward order for outputs, backward order for
   gradients) is marked as where it started.
-- ``update_to_weight``: ``update_to_weight`` outside ``update_to_weight_band`` (only where the
-  ``update`` signal is recorded).
+- ``update_to_weight``: a weight's ``update_to_weight`` (rms of its update over rms of the
+  weight, ~1e-3 in healthy training) outside ``update_to_weight_band`` (only where the ``update``
+  signal is recorded: ``inject_observer(..., optimizer=opt)``). Biases and ratios that are not
+  finite are left out (a bias that starts at zero has an infinite ratio, then one near 1).
 - ``outliers``: ``max_abs / rms`` of a layer's outputs above ``outlier_ratio``.
 - ``rank_disagreement``: the same layer, signal, metric (``rank_metrics``) and step differing
   across ranks by more than ``rank_factor`` times.
@@ -40,23 +42,41 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Protocol
 
+from torchinstruments_analysis import _rules, _rules_gradient, _rules_run
+from torchinstruments_analysis._chunks import chunks, spans
 from torchinstruments_analysis._rule_base import (
     KEYS,
+    ChunkRule,
     Finding,
     Rule,
     RuleContext,
     Thresholds,
     time_order,
 )
-from torchinstruments_analysis._rules import RULES
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from pathlib import Path
 
     import polars as pl
 
 __all__ = ["COLUMNS", "Finding", "Rule", "RunLike", "Thresholds", "find"]
+
+CHUNK_ROWS = 250_000
+"""How many rows of the run ``find`` reads at a time by default (its memory bound)."""
+
+RULES: tuple[Callable[[RuleContext], ChunkRule], ...] = (
+    _rules.NonfiniteOnset,
+    _rules.DeadUnits,
+    _rules.Saturation,
+    _rules_gradient.GradientSteps,
+    _rules_run.GradientGrowth,
+    _rules_gradient.GradientLost,
+    _rules_run.ScaleDrift,
+    _rules.Outliers,
+    _rules.UpdateToWeight,
+    _rules_run.RankDisagreement,
+)
 
 COLUMNS = (
     "rule",
@@ -82,41 +102,58 @@ class RunLike(Protocol):
     def layers(self) -> Sequence[str]: ...  # noqa: D102
 
 
-def find(run: RunLike, *, thresholds: Thresholds | None = None) -> pl.DataFrame:
+def find(
+    run: RunLike, *, thresholds: Thresholds | None = None, chunk_rows: int = CHUNK_ROWS
+) -> pl.DataFrame:
     """Apply every rule to a run and return the findings, one row each (``COLUMNS``).
 
     Rows come rule by rule (``Rule`` order), then by the sample where the fact first held, then
     in the order a sample visits layers: outputs in forward order, then gradients in backward
     order. A rule whose signal or metric the run lacks gives no row.
 
+    The run is read a span of consecutive samples at a time, about ``chunk_rows`` rows each,
+    and every rule keeps only per-tensor state between spans: memory is bounded by
+    ``chunk_rows``, not by the length of the run, and the findings do not depend on it.
+
     Args:
         run: A run from ``torchinstruments_analysis.read.open_run`` (finished or still running).
         thresholds: Where the rules start to speak; ``Thresholds()`` when not given.
+        chunk_rows: About how many rows of the run are read at once (at least 1).
+
+    Raises:
+        ValueError: ``chunk_rows`` is below 1.
     """
-    context, has_rows = _context(run, thresholds or Thresholds())
-    found = [f for rule in RULES for f in rule(context)] if has_rows else []
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows={chunk_rows!r} is invalid: expected an integer of at least 1")
+    context = _context(run, thresholds or Thresholds(), chunk_rows)
+    rules = [rule(context) for rule in RULES]
+    for chunk in chunks(context):
+        # a layer missing from the run's catalog comes after it, in the order first seen
+        for name in chunk.get_column("layer").unique(maintain_order=True).to_list():
+            context.order.setdefault(name, len(context.order))
+        for rule in rules:
+            rule.add(chunk)
+    found = [f for rule in rules for f in rule.findings()]
     return _frame(_first_per_fact(found), context.order)
 
 
-def _context(run: RunLike, thresholds: Thresholds) -> tuple[RuleContext, bool]:
-    """The rules' view of the run (still lazy), and whether it has any row they read."""
+def _context(run: RunLike, thresholds: Thresholds, chunk_rows: int) -> RuleContext:
+    """The rules' view of the run (still lazy) and the spans of samples it is read in."""
     import polars as pl
 
     metrics = ["rms", "zero_fraction", "nonfinite_fraction", "max_abs", "p25", "p75"]
-    names = [*KEYS[1:], "metric", "unavailable_reason"]
+    names = ["layer", "signal", "tensor_path", "metric", "unavailable_reason"]
     history = (
         run.history.filter(pl.col("metric").is_in([*metrics, "update_to_weight"]))
         .select("rank", "sample_id", "step", *KEYS[1:], "metric", "value", "unavailable_reason")
-        # a name repeats in millions of rows: a category keeps it once
-        .with_columns(pl.col(name).cast(pl.Categorical) for name in names if name != "call_index")
+        # a name repeats in every sample: as a category the rules group and join on integers
+        .with_columns(pl.col(name).cast(pl.Categorical) for name in names)
     )
-    seen = history.select("layer", "rank").unique(maintain_order=True).collect(engine="streaming")
+    ranks = run.history.select(pl.col("rank").n_unique()).collect(engine="streaming").item()
     order = {name: i for i, name in enumerate(run.layers)}
-    for name in seen.get_column("layer").unique(maintain_order=True).to_list():
-        order.setdefault(name, len(order))
-    ranks = max(seen.get_column("rank").n_unique(), 1)
-    context = RuleContext(history, order, _layer_types(run.path), ranks, thresholds)
-    return context, seen.height > 0
+    # spans sized on every row of the run: counting them reads only the files' metadata
+    parts = spans(run.history, chunk_rows)
+    return RuleContext(history, order, _layer_types(run.path), max(ranks, 1), thresholds, parts)
 
 
 def _layer_types(path: Path) -> dict[str, str]:
