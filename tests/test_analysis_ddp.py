@@ -39,9 +39,6 @@ def _worker(rank: int, folder: str) -> None:
         sampler = EveryNForwardsSampler(1)
         output = Path(folder) / "run"
         with inject_observer(model, sampler=sampler, rank_policy="all", output_dir=output):
-            # injection refuses a folder that holds a run: no rank may write rank-000/ before
-            # every rank has injected
-            dist.barrier()
             for step in range(STEPS):
                 blowup = net[2]
                 assert isinstance(blowup, Blowup)
