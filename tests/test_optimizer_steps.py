@@ -76,6 +76,31 @@ def test_gradients_are_unscaled_and_clipped_as_the_optimizer_sees_them() -> None
         assert norm == pytest.approx(0.05, rel=1e-4)  # clipped to max_norm, not scaled by 4096
 
 
+def test_a_fused_optimizer_gradients_are_unscaled() -> None:
+    """A fused AdamW that unscales inside its own step: the gradients are recorded unscaled.
+
+    The GradScaler leaves the scale on the optimizer (``grad_scale``); the rows divide by it and
+    match the gradients the fused step left unscaled in ``.grad``.
+    """
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    names = {id(p): name for name, p in model.named_parameters()}
+    reference = Reference(optimizer, names)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+        _scaled_step(model, optimizer, scaler)
+    (record,) = [s for s in sink.samples if s.kind is RecordKind.STEP]
+    rows = values_of(record)
+    (copies,) = reference.steps
+    for name, gradient in copies.gradient.items():
+        layer, path = split(name)
+        assert_matches(rows, layer, "parameter_gradient", path, stats(gradient), rel=1e-5)
+    total = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in copies.gradient.values()]))
+    norm = rows[("<model>", "parameter_gradient", "*", "l2_norm")]
+    assert norm == pytest.approx(total.item(), rel=1e-5)
+
+
 def test_a_skipped_step_has_a_note_and_no_rows(tmp_path: pathlib.Path) -> None:
     """A step the GradScaler skips has a record without rows, noted in samples.parquet."""
     model = _model()
