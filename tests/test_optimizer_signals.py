@@ -293,3 +293,80 @@ def test_a_closure_is_measured_after_it_ran() -> None:
     assert [r.step for r in records] == [0, 1]
     for record, copies in zip(records, reference.steps, strict=True):
         _check_parameters(record, copies)
+
+
+class Tied(nn.Module):
+    """An embedding whose weight the output head shares, and a block the selector skips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 4, dtype=torch.float64)
+        self.block = nn.Sequential(nn.Linear(4, 4, dtype=torch.float64))
+        self.head = nn.Linear(4, 10, bias=False, dtype=torch.float64)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(tokens)))
+
+
+def test_a_shared_parameter_belongs_to_its_first_observed_owner() -> None:
+    """A tied weight's rows are under its first observed owner; unobserved parameters count.
+
+    The parameters of a module that is not observed have no rows but are in the whole-model
+    gradient norm; the whole-model update norm covers the observed parameters only.
+    """
+    from torchinstruments_core import by_name
+
+    model = Tied()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = Reference(optimizer, _names(model))
+    sink = RecordingSink()
+    selector = by_name("embed", "head")
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer, selector=selector
+    ):
+        model(torch.tensor([[1, 2, 3]])).square().mean().backward()
+        optimizer.step()
+    (record,) = _step_records(sink)
+    owners = {(r.layer, r.tensor_path) for r in record.rows if str(r.signal) == "parameter"}
+    assert owners == {("embed", "weight")}
+    (copies,) = reference.steps
+    rows = values_of(record)
+    assert {"block.0.weight", "block.0.bias"} <= set(copies.gradient)
+    every = torch.cat([g.reshape(-1) for g in copies.gradient.values()])
+    norm = rows[(MODEL, "parameter_gradient", "*", "l2_norm")]
+    assert norm == pytest.approx(torch.linalg.vector_norm(every).item())
+    update = copies.after["embed.weight"] - copies.before["embed.weight"]
+    norm = rows[(MODEL, "update", "*", "l2_norm")]
+    assert norm == pytest.approx(torch.linalg.vector_norm(update).item())
+
+
+def test_focus_layers_get_histograms_of_their_step_tensors() -> None:
+    """The focus layers' step tensors have histograms; the other layers' do not."""
+    from torchinstruments_core import by_name
+
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    sink = RecordingSink()
+    with inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        sink=sink,
+        optimizer=optimizer,
+        focus_selector=by_name("2"),
+    ):
+        _train(model, [optimizer], steps=1)
+    (record,) = _step_records(sink)
+    histograms = {(h.layer, str(h.signal), h.tensor_path) for h in record.histograms}
+    assert histograms == {
+        ("2", signal, f"{name}{suffix}")
+        for name in ("weight", "bias")
+        for signal, suffix in [
+            ("parameter", ""),
+            ("parameter_gradient", ""),
+            ("update", ""),
+            ("optimizer_state", ".exp_avg"),
+            ("optimizer_state", ".exp_avg_sq"),
+        ]
+    }
