@@ -58,6 +58,13 @@ def _fit(tmp_path: pathlib.Path, model: Recorded, **kwargs: Any) -> pathlib.Path
     return monitor.run_directory
 
 
+def _fit_fp16(tmp_path: pathlib.Path, model: Recorded, **kwargs: Any) -> pathlib.Path:
+    """Three steps under Lightning's fp16 ``MixedPrecision`` plugin with a CPU GradScaler."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    return _fit(tmp_path, model, plugins=[plugin], max_steps=3, **kwargs)
+
+
 def _step_rows(run: pathlib.Path) -> dict[int, dict[Key, float | None]]:
     """The step records' rows by trainer step."""
     history = pl.read_parquet(run / "history.parquet")
@@ -109,14 +116,7 @@ def test_float64_rows_under_clipping_and_accumulation(tmp_path: pathlib.Path) ->
 def test_fp16_gradients_are_unscaled_and_clipped(tmp_path: pathlib.Path) -> None:
     """fp16 with a GradScaler and clipping: gradients are the unscaled, clipped ones used."""
     model = Recorded()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    run = _fit(
-        tmp_path,
-        model,
-        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
-        gradient_clip_val=0.05,
-        max_steps=3,
-    )
+    run = _fit_fp16(tmp_path, model, gradient_clip_val=0.05)
     assert model.reference is not None
     rows = _step_rows(run)
     assert sorted(rows) == [0, 1, 2]
@@ -129,13 +129,7 @@ def test_fp16_gradients_are_unscaled_and_clipped(tmp_path: pathlib.Path) -> None
 def test_a_skipped_fp16_step_is_a_note(tmp_path: pathlib.Path) -> None:
     """A step the GradScaler skips (inf gradients) has no step rows, only a note."""
     model = Recorded(poison_step=1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    run = _fit(
-        tmp_path,
-        model,
-        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
-        max_steps=3,
-    )
+    run = _fit_fp16(tmp_path, model)
     assert sorted(_step_rows(run)) == [0, 2]
     samples = pl.read_parquet(run / "samples.parquet").filter(pl.col("kind") == "step")
     assert samples.sort("step").select("step", "note").rows() == [

@@ -231,20 +231,22 @@ def test_removal_leaves_no_hook_and_no_reference() -> None:
     assert alive() is None
 
 
-def test_step_signals_choose_the_rows() -> None:
-    """``step_signals`` records only the signals named (the whole-model rows go with them)."""
+def _one_adam_step(**arguments: Any) -> SampleRecord:
+    """The step record of one sampled Adam step, observed with ``arguments`` besides."""
     model = _model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     sink = RecordingSink()
     with inject_observer(
-        model,
-        sampler=AlwaysSampler(),
-        sink=sink,
-        optimizer=optimizer,
-        step_signals=["parameter_gradient"],
+        model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer, **arguments
     ):
         _train(model, [optimizer], steps=1)
     (record,) = _step_records(sink)
+    return record
+
+
+def test_step_signals_choose_the_rows() -> None:
+    """``step_signals`` records only the signals named (the whole-model rows go with them)."""
+    record = _one_adam_step(step_signals=["parameter_gradient"])
     assert {str(r.signal) for r in record.rows} == {"parameter_gradient"}
     assert {r.layer for r in record.rows} == {"0", "2", MODEL}
 
@@ -346,18 +348,7 @@ def test_focus_layers_get_histograms_of_their_step_tensors() -> None:
     """The focus layers' step tensors have histograms; the other layers' do not."""
     from torchinstruments_core import by_name
 
-    model = _model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    sink = RecordingSink()
-    with inject_observer(
-        model,
-        sampler=AlwaysSampler(),
-        sink=sink,
-        optimizer=optimizer,
-        focus_selector=by_name("2"),
-    ):
-        _train(model, [optimizer], steps=1)
-    (record,) = _step_records(sink)
+    record = _one_adam_step(focus_selector=by_name("2"))
     histograms = {(h.layer, str(h.signal), h.tensor_path) for h in record.histograms}
     assert histograms == {
         ("2", signal, f"{name}{suffix}")

@@ -99,12 +99,13 @@ def adam_ratio(
     if not isinstance(second, torch.Tensor) or step is None or betas is None:
         return None
     dtype = working_dtype(second.dtype)
-    beta2 = float(betas[1])
-    correction: float | torch.Tensor
+    beta2 = betas[1]  # a float, or a tensor (on the device under capturable)
+    count: float | torch.Tensor
     if isinstance(step, torch.Tensor) and step.device.type != "cpu":  # capturable: stay there
-        correction = 1 - torch.pow(beta2, step.to(second.device, dtype))
+        count = step.to(second.device, dtype)
     else:  # a host number: a CPU tensor is read without waiting for any device
-        correction = 1 - beta2 ** float(step)
+        count = float(step)
+    correction = 1 - beta2**count
     eps = float(group.get("eps", 1e-8))
     v_hat = second.to(dtype) / correction
     ratio = gradient.to(dtype).square() / torch.clamp(v_hat, min=eps * eps)
