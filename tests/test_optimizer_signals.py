@@ -361,3 +361,26 @@ def test_focus_layers_get_histograms_of_their_step_tensors() -> None:
             ("optimizer_state", ".exp_avg_sq"),
         ]
     }
+
+
+def test_recording_the_steps_leaves_the_training_bit_identical() -> None:
+    """Parameters and optimizer state after recorded steps equal an unobserved run's exactly."""
+
+    def trained(observed: bool) -> tuple[dict[str, torch.Tensor], Any]:
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        if observed:
+            sink = RecordingSink()
+            with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+                _train(model, [optimizer], steps=3)
+            assert len(_step_records(sink)) == 3
+        else:
+            _train(model, [optimizer], steps=3)
+        return model.state_dict(), optimizer.state_dict()["state"]
+
+    (weights, state), (bare_weights, bare_state) = trained(True), trained(False)
+    for name, value in weights.items():
+        assert torch.equal(value, bare_weights[name]), name
+    for index, entries in state.items():
+        for key, value in entries.items():
+            assert torch.equal(value, bare_state[index][key]), (index, key)
