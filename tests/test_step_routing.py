@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pathlib
 
+import numpy as np
 import pytest
 
 from torchinstruments_core import (
@@ -57,6 +58,11 @@ def _value(signal: Signal, name: str, metric: str) -> float:
     owner = "first" if name != ALL_PARAMETERS else "model"
     path = f"/{name}" if name != ALL_PARAMETERS else ""
     return EXPECTED.get(f"telemetry/{owner}/{signal}{path}/{metric}", 100.0)
+
+
+def _at_step(values: dict[str, float]) -> dict[str, list[tuple[int, float]]]:
+    """Each value as TensorBoard holds it: once, at ``STEP``, in float32."""
+    return {key: [(STEP, float(np.float32(value)))] for key, value in values.items()}
 
 
 def _step_record() -> SampleRecord:
@@ -110,8 +116,7 @@ def test_router_sends_exactly_the_step_keys_to_tensorboard(tmp_path: pathlib.Pat
     scalars = _scalars(tmp_path)
     forward = {"telemetry/first/output/rms", "telemetry/nonfinite_tensors"}
     assert set(scalars) == set(EXPECTED) | forward | {"telemetry/collection_duration_ms"}
-    for key, value in EXPECTED.items():
-        assert scalars[key] == [(STEP, pytest.approx(value))], key
+    assert {key: scalars[key] for key in EXPECTED} == _at_step(EXPECTED)
     assert not any("<" in key or "*" in key for key in scalars)
 
 
@@ -168,7 +173,7 @@ def test_run_directory_tensorboard_uses_the_routed_step_keys(tmp_path: pathlib.P
     sink.close()
     scalars = _scalars(tmp_path / "run" / "tensorboard")
     assert set(scalars) == set(EXPECTED)
-    assert scalars == {key: [(STEP, pytest.approx(value))] for key, value in EXPECTED.items()}
+    assert scalars == _at_step(EXPECTED)
 
 
 class _Keys:
