@@ -53,6 +53,8 @@ class OptimizerClock:
         on_step: Called after each counted step.
         on_optimizer: Called once with each optimizer followed (the torch optimizer, unwrapped):
             for one found, in the pre-hook of its first step, before the step runs.
+        optimizers: The trainer's optimizers, followed at once (see ``follow``); none: the
+            first one found.
 
     Example:
         >>> import torch
@@ -74,6 +76,7 @@ class OptimizerClock:
         on_step: Callable[[], None],
         *,
         on_optimizer: Callable[[torch.optim.Optimizer], None] = _ignore,
+        optimizers: Iterable[Any] = (),
     ) -> None:
         self._model = weakref.ref(model)
         self._on_step = on_step
@@ -87,6 +90,9 @@ class OptimizerClock:
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
         ]
+        given = list(optimizers)
+        if given:
+            self.follow(given)
 
     def follow(self, optimizers: Iterable[Any]) -> None:
         """Follow exactly these optimizers (the trainer's), instead of the one found.
