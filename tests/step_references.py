@@ -56,6 +56,7 @@ class StepReference:
             {
                 name: _rms(after[name].detach().double() - before) / _rms(before)
                 for name, before in self._before.items()
+                if _rms(before) > 0  # a zero-initialized bias has no ratio
             }
         )
 

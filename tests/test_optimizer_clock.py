@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from torchinstruments_core import ObservationWarning
+from torchinstruments_core import ObservationWarning, RecordKind, inject_observer
 from torchinstruments_core.adapter import OptimizerClock
+from torchinstruments_core.testing import RecordingSink
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: int = 1) -> None:
@@ -163,3 +164,27 @@ class _Wrapper:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+
+
+def test_an_optimizer_found_during_a_sampled_step_records_that_step() -> None:
+    """An adapter that finds its optimizer at the first step records that step (step 0).
+
+    The step was announced sampled before any optimizer was watched; the clock hands the
+    optimizer to ``watch_optimizer`` from its first step's pre-hook, and torch runs the step hooks
+    registered there in that same step: the step record is there, with the gradient it used.
+    """
+    sink = RecordingSink()
+    model = nn.Sequential(nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with inject_observer(model, sink=sink) as observer:
+        clock = OptimizerClock(model, lambda: None, on_optimizer=observer.watch_optimizer)
+        observer.begin_step(0, sample=True)
+        model(torch.randn(3, 4)).sum().backward()
+        gradient = model[0].weight.grad.clone()  # type: ignore[union-attr,operator]
+        optimizer.step()
+        observer.begin_step(1, sample=False)
+        clock.remove()
+    records = [record for record in sink.samples if record.kind is RecordKind.STEP]
+    assert [record.step for record in records] == [0]
+    rms = sink.value("0", "parameter_gradient", "rms", tensor_path="weight")
+    assert rms == pytest.approx(gradient.square().mean().sqrt().item())

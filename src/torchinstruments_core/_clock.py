@@ -25,6 +25,7 @@ from torch.optim.optimizer import (
 )
 
 from torchinstruments_core._exceptions import ObservationWarning
+from torchinstruments_core._optimizer_probe import check_optimizers
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -100,10 +101,13 @@ class OptimizerClock:
         A wrapper with a public ``optimizer`` attribute (Accelerate's ``AcceleratedOptimizer``,
         Fabric's optimizer) is unwrapped. Call it before their first step; each goes to
         ``on_optimizer`` at once.
+
+        Raises:
+            ConfigurationError: One of them is not an optimizer.
         """
         self._given = True
         self._followed, self._stepped = {}, set()
-        for optimizer in map(unwrap_optimizer, optimizers):
+        for optimizer in check_optimizers(list(optimizers)):
             self._followed[id(optimizer)] = weakref.ref(optimizer)
             self._on_optimizer(optimizer)
 
@@ -140,14 +144,6 @@ class OptimizerClock:
         trainable = {id(p) for p in model.parameters() if p.requires_grad}
         stepped = (id(p) for group in optimizer.param_groups for p in group["params"])
         return not trainable or any(i in trainable for i in stepped)
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside a wrapper that steps it (its public ``optimizer`` attribute)."""
-    import torch
-
-    inner = getattr(optimizer, "optimizer", None)
-    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
 def _second(optimizer: torch.optim.Optimizer) -> str:
