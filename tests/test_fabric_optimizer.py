@@ -25,6 +25,37 @@ from torchinstruments_lightning import FabricTelemetry
 GRADIENT_NORM = "telemetry/model/parameter_gradient/l2_norm"
 
 
+STEP_TAGS = {
+    *(
+        f"telemetry/{layer}/{key}"
+        for layer in ("0", "2")
+        for name in ("weight", "bias")
+        for key in (f"parameter_gradient/{name}/rms", f"update/{name}/update_to_weight")
+    ),
+    "telemetry/model/parameter_gradient/l2_norm",
+    "telemetry/model/parameter_gradient/nonfinite_count",
+    "telemetry/model/parameter_gradient/zero_count",
+    "telemetry/model/update/l2_norm",
+    "telemetry/step/nonfinite_tensors",
+    "telemetry/step/collection_duration_ms",
+}
+"""Every scalar an optimizer step routes with the defaults, for focus layers ``0`` and ``2``."""
+
+
+def _step_tags(folder: str) -> set[str]:
+    """The scalar tags of the event file that are not the loop's nor a forward sample's."""
+    events = EventAccumulator(folder, size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    summaries = {"telemetry/nonfinite_tensors", "telemetry/collection_duration_ms"}
+    return {
+        tag
+        for tag in events.Tags()["scalars"]
+        if tag.startswith("telemetry/")
+        and tag not in summaries
+        and not any(f"/{signal}/" in tag for signal in ("output", "output_gradient"))
+    }
+
+
 def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
 
@@ -78,6 +109,7 @@ def test_setup_alone_records_the_optimizer_at_the_logged_steps(tmp_path: pathlib
     sampled = [0, 2, 4]
     assert sorted(rms) == sorted(ratio) == sorted(norm) == sampled
     assert set(sampled) <= set(_scalars(logger.log_dir, "loss"))
+    assert _step_tags(logger.log_dir) == STEP_TAGS
     for k in sampled:
         assert rms[k] == pytest.approx(reference.gradient_rms[k]["0.weight"], rel=1e-5)
         assert ratio[k] == pytest.approx(reference.update_to_weight[k]["2.bias"], rel=1e-5)
