@@ -47,9 +47,17 @@ def _accelerator(root: pathlib.Path, telemetry: TelemetryTracker, accumulation: 
 
 
 def _loop(
-    accelerator: Accelerator, model: Any, optimizers: list[Any], data: Any, steps: int
+    accelerator: Accelerator,
+    model: Any,
+    optimizers: list[Any],
+    data: Any,
+    steps: int,
+    *,
+    log_before_step: bool = False,
 ) -> list[float]:
-    """Accelerate's loop, each optimizer stepped in turn; logs at ``FIRST + k`` after step k.
+    """Accelerate's loop, each optimizer stepped in turn; logs step k at ``FIRST + k``.
+
+    The log comes after the optimizer steps, or just before them (``log_before_step``).
 
     Returns:
         The total gradient norm ``clip_grad_norm_`` gave at each step (nothing clipped).
@@ -61,12 +69,15 @@ def _loop(
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1e6)))
+                if log_before_step:
+                    accelerator.log({"loss": loss.item()}, step=FIRST + len(norms) - 1)
             for optimizer in optimizers:
                 optimizer.step()
             for optimizer in optimizers:
                 optimizer.zero_grad()
         if accelerator.sync_gradients:
-            accelerator.log({"loss": loss.item(), "norm": norms[-1]}, step=FIRST + len(norms) - 1)
+            if not log_before_step:
+                accelerator.log({"loss": loss.item()}, step=FIRST + len(norms) - 1)
             if len(norms) == steps:
                 return norms
     raise AssertionError("the loader ran out")
@@ -78,8 +89,9 @@ def _scalar(events_: Any, tag: str) -> dict[int, float]:
 
 @pytest.mark.parametrize("accumulation", [1, 2])
 @pytest.mark.parametrize("given", [True, False], ids=["optimizer=", "found"])
+@pytest.mark.parametrize("log_before_step", [False, True], ids=["log_after", "log_before"])
 def test_step_signals_land_at_the_logged_step_with_the_optimizers_values(
-    tmp_path: pathlib.Path, accumulation: int, given: bool
+    tmp_path: pathlib.Path, accumulation: int, given: bool, log_before_step: bool
 ) -> None:
     """Gradient rms, update_to_weight and the global norm are in TensorBoard at the user's step.
 
@@ -87,7 +99,8 @@ def test_step_signals_land_at_the_logged_step_with_the_optimizers_values(
     is; the gradient rms and update_to_weight match the test's float64 hooks on the torch
     optimizer, the global norm what ``clip_grad_norm_`` returned; the run directory holds the
     same rows at the same steps. Under accumulation the gradient is the one of the whole step.
-    The optimizer is passed to ``watch`` or found as torch steps it, its first step included.
+    The optimizer is passed to ``watch`` or found as torch steps it, its first step included;
+    the loop logs before or after ``optimizer.step()``.
     """
     telemetry = TelemetryTracker(every_n_steps=2, max_focus_layers=2)
     accelerator = _accelerator(tmp_path, telemetry, accumulation)
@@ -98,7 +111,9 @@ def test_step_signals_land_at_the_logged_step_with_the_optimizers_values(
     telemetry.watch(
         prepared, accelerator=accelerator, optimizer=prepared_optimizer if given else None
     )
-    norms = _loop(accelerator, prepared, [prepared_optimizer], data, steps=6)
+    norms = _loop(
+        accelerator, prepared, [prepared_optimizer], data, steps=6, log_before_step=log_before_step
+    )
     accelerator.end_training()
     logged = events(tmp_path / "exp")
     sampled = [FIRST, FIRST + 2, FIRST + 4]
