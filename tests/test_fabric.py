@@ -234,6 +234,7 @@ def test_two_processes(tmp_path: pathlib.Path, policy: str) -> None:
         "0",
         "1",
         "2",
+        "<model>",
     }
     histograms = _events(log_dir).Histograms("telemetry/0/output/histogram")
     assert [event.step for event in histograms] == [0, 2]

@@ -91,3 +91,34 @@ def test_trainer_optimizer_steps_land_at_the_global_step_of_the_loss(
         & (pl.col("layer") == "<model>")
     )  # fmt: skip
     assert model_rows["step"].to_list() == sampled
+
+
+def test_clipped_gradients_are_recorded_as_the_optimizer_uses_them(tmp_path: pathlib.Path) -> None:
+    """Under ``max_grad_norm`` the recorded global norm is the clipped one, the Trainer's before.
+
+    With a bound far below the gradients' norm, ``train/grad_norm`` (before clipping) is above it
+    while ``telemetry/model/parameter_gradient/l2_norm`` is the bound the optimizer stepped with.
+    """
+    bound = 1e-3
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        report_to=["tensorboard"],
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        max_grad_norm=bound,
+    )
+    telemetry = TelemetryCallback(every_n_steps=1)
+    trainer = transformers.Trainer(
+        model=_model(), args=args, train_dataset=_data(), callbacks=[telemetry]
+    )
+    trainer.train()
+    (events_dir,) = (tmp_path / "out" / "runs").iterdir()
+    before = _scalars(events_dir, "train/grad_norm")
+    recorded = _scalars(events_dir, GRADIENT_NORM)
+    assert sorted(recorded) == sorted(before) == [1, 2]
+    assert all(value > 10 * bound for value in before.values())
+    assert all(value == pytest.approx(bound, rel=1e-3) for value in recorded.values())
