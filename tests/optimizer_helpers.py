@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+
+from torchinstruments_core import AlwaysSampler, RecordKind, inject_observer
+from torchinstruments_core.testing import RecordingSink
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -13,6 +17,7 @@ if TYPE_CHECKING:
     from torchinstruments_core import SampleRecord
 
 Key = tuple[str, str, str, str]  # layer, signal, tensor_path, metric
+MODEL = "<model>"
 
 
 @dataclass
@@ -122,3 +127,43 @@ def adam_ratio(gradient: torch.Tensor, second: torch.Tensor, step: float, beta2:
     """rms(g / sqrt(v_hat)), v_hat the bias-corrected second moment, floored at eps**2."""
     v_hat = second / (1 - beta2**step)
     return (gradient.square() / v_hat.clamp(min=1e-16)).mean().sqrt().item()
+
+
+def float64_mlp() -> nn.Sequential:
+    """A seeded float64 MLP: Linear(4, 8), Tanh, Linear(8, 3)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's name in ``model``, by the parameter's id (what ``Reference`` takes)."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def train(model: nn.Module, optimizers: list[torch.optim.Optimizer], steps: int) -> None:
+    """``steps`` plain-loop iterations of ``float64_mlp``: forward, backward, every optimizer."""
+    for index in range(steps):
+        torch.manual_seed(100 + index)
+        loss = model(torch.randn(16, 4, dtype=torch.float64)).square().mean()
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def step_records(sink: RecordingSink) -> list[SampleRecord]:
+    """The step records ``sink`` received, in order."""
+    return [s for s in sink.samples if s.kind is RecordKind.STEP]
+
+
+def one_adam_step(**arguments: Any) -> SampleRecord:
+    """The step record of one sampled Adam step, observed with ``arguments`` besides."""
+    model = float64_mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    sink = RecordingSink()
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer, **arguments
+    ):
+        train(model, [optimizer], steps=1)
+    (record,) = step_records(sink)
+    return record

@@ -112,6 +112,6 @@ def test_a_checkpoint_that_says_samples_taken_is_continued(tmp_path: pathlib.Pat
     monitor = TelemetryMonitor(every_n_steps=2)
     monitor.load_state_dict({"samples_taken": 7, "run_id": "earlier", "run_name": "first"})
     trainer(tmp_path, max_steps=4, logger=False, callbacks=[monitor]).fit(Regressor(), loader())
-    assert monitor.state_dict()["next_sample_id"] == 9
+    assert monitor.state_dict()["next_sample_id"] == 7 + 2 * 2  # steps 0, 2: sample and step record
     assert monitor.run_directory is not None
     assert monitor.run_directory.name == "first-resumed-1"

@@ -11,43 +11,29 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
-from optimizer_helpers import Reference, adam_ratio, assert_matches, split, stats, values_of
+from optimizer_helpers import (
+    MODEL,
+    Reference,
+    adam_ratio,
+    assert_matches,
+    float64_mlp,
+    one_adam_step,
+    parameter_names,
+    split,
+    stats,
+    step_records,
+    train,
+    values_of,
+)
 from torchinstruments_core import (
     AlwaysSampler,
     ConfigurationError,
     EveryNForwardsSampler,
-    RecordKind,
     SampleRecord,
     inject_observer,
 )
 from torchinstruments_core.testing import RecordingSink
-
-MODEL = "<model>"
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-
-
-def _names(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
-
-
-def _train(model: nn.Module, optimizers: list[torch.optim.Optimizer], steps: int) -> None:
-    for index in range(steps):
-        torch.manual_seed(100 + index)
-        loss = model(torch.randn(16, 4, dtype=torch.float64)).square().mean()
-        loss.backward()
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-
-
-def _step_records(sink: RecordingSink) -> list[SampleRecord]:
-    return [s for s in sink.samples if s.kind is RecordKind.STEP]
 
 
 def _check_parameters(record: SampleRecord, reference: Any) -> None:
@@ -64,7 +50,7 @@ def _check_parameters(record: SampleRecord, reference: Any) -> None:
         assert rows[(layer, "update", path, "update_to_weight")] == pytest.approx(ratio.item())
 
 
-def _check_whole_model(record: SampleRecord, reference: Any) -> None:
+def _check_wholefloat64_mlp(record: SampleRecord, reference: Any) -> None:
     rows = values_of(record)
     gradients = list(reference.gradient.values())
     holders = [torch.zeros_like(g, requires_grad=True) for g in gradients]
@@ -85,17 +71,17 @@ def test_sgd_rows_match_float64_copies() -> None:
 
     Parameter, gradient, update, update_to_weight, momentum buffer and the whole-model rows.
     """
-    model = _model()
+    model = float64_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
-    reference = Reference(optimizer, _names(model))
+    reference = Reference(optimizer, parameter_names(model))
     sink = RecordingSink()
     with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
-        _train(model, [optimizer], steps=3)
-    records = _step_records(sink)
+        train(model, [optimizer], steps=3)
+    records = step_records(sink)
     assert len(records) == len(reference.steps) == 3
     for record, copies in zip(records, reference.steps, strict=True):
         _check_parameters(record, copies)
-        _check_whole_model(record, copies)
+        _check_wholefloat64_mlp(record, copies)
         rows = values_of(record)
         for name, state in copies.state.items():
             layer, path = split(name)
@@ -119,14 +105,14 @@ def test_adam_family_moments_and_ratio_match_float64_copies(make: Any) -> None:
 
     The ratio sits on the exp_avg_sq row and uses the max moment under amsgrad.
     """
-    model = _model()
+    model = float64_mlp()
     optimizer = make(model.parameters())
     amsgrad = optimizer.param_groups[0]["amsgrad"]
-    reference = Reference(optimizer, _names(model))
+    reference = Reference(optimizer, parameter_names(model))
     sink = RecordingSink()
     with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
-        _train(model, [optimizer], steps=3)
-    records = _step_records(sink)
+        train(model, [optimizer], steps=3)
+    records = step_records(sink)
     assert len(records) == 3
     for record, copies in zip(records, reference.steps, strict=True):
         _check_parameters(record, copies)
@@ -147,21 +133,21 @@ def test_each_optimizer_has_its_own_record_with_its_own_parameters() -> None:
 
     The whole-model gradient norm of each record covers the parameters that optimizer steps.
     """
-    model = _model()
+    model = float64_mlp()
     first = torch.optim.SGD(model[0].parameters(), lr=0.1)
     last = torch.optim.Adam(model[2].parameters(), lr=0.01)
-    references = [Reference(first, _names(model)), Reference(last, _names(model))]
+    references = [Reference(first, parameter_names(model)), Reference(last, parameter_names(model))]
     sink = RecordingSink()
     with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=[first, last]):
-        _train(model, [first, last], steps=2)
-    records = _step_records(sink)
+        train(model, [first, last], steps=2)
+    records = step_records(sink)
     assert len(records) == 4
     for index, record in enumerate(records):
         copies = references[index % 2].steps[index // 2]
         layers = {row.layer for row in record.rows}
         assert layers == {"0" if index % 2 == 0 else "2", MODEL}
         _check_parameters(record, copies)
-        _check_whole_model(record, copies)
+        _check_wholefloat64_mlp(record, copies)
 
 
 def test_only_the_step_after_a_sampled_forward_is_recorded() -> None:
@@ -184,7 +170,7 @@ def test_only_the_step_after_a_sampled_forward_is_recorded() -> None:
             return func(*args, **(kwargs or {}))
 
     def counted_steps(observed: bool) -> list[int]:
-        model = _model()
+        model = float64_mlp()
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
         sink = RecordingSink()
         arguments: dict[str, Any] = {"optimizer": optimizer} if observed else {}
@@ -197,7 +183,7 @@ def test_only_the_step_after_a_sampled_forward_is_recorded() -> None:
                 counts.append(count.calls)
                 optimizer.zero_grad()
                 del index
-        assert len(_step_records(sink)) == (2 if observed else 0)
+        assert len(step_records(sink)) == (2 if observed else 0)
         return counts
 
     observed, bare = counted_steps(True), counted_steps(False)
@@ -212,7 +198,7 @@ def test_removal_leaves_no_hook_and_no_reference() -> None:
     import gc
     import weakref
 
-    model = _model()
+    model = float64_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     sink = RecordingSink()
     observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer)
@@ -223,7 +209,7 @@ def test_removal_leaves_no_hook_and_no_reference() -> None:
     observer.remove()
     assert not optimizer._optimizer_step_pre_hooks
     assert not optimizer._optimizer_step_post_hooks
-    _train(model, [optimizer], steps=1)
+    train(model, [optimizer], steps=1)
     assert sink.samples == []
     alive = weakref.ref(optimizer)
     del optimizer
@@ -233,18 +219,7 @@ def test_removal_leaves_no_hook_and_no_reference() -> None:
 
 def test_step_signals_choose_the_rows() -> None:
     """``step_signals`` records only the signals named (the whole-model rows go with them)."""
-    model = _model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    sink = RecordingSink()
-    with inject_observer(
-        model,
-        sampler=AlwaysSampler(),
-        sink=sink,
-        optimizer=optimizer,
-        step_signals=["parameter_gradient"],
-    ):
-        _train(model, [optimizer], steps=1)
-    (record,) = _step_records(sink)
+    record = one_adam_step(step_signals=["parameter_gradient"])
     assert {str(r.signal) for r in record.rows} == {"parameter_gradient"}
     assert {r.layer for r in record.rows} == {"0", "2", MODEL}
 
@@ -265,7 +240,7 @@ def test_bad_step_arguments_fail_naming_argument_value_and_choices(
 ) -> None:
     """A bad ``step_signals`` or ``optimizer`` fails at once, naming it, value and choices."""
     with pytest.raises(ConfigurationError, match=message):
-        inject_observer(_model(), sink=RecordingSink(), **arguments)
+        inject_observer(float64_mlp(), sink=RecordingSink(), **arguments)
 
 
 def test_a_closure_is_measured_after_it_ran() -> None:
@@ -273,9 +248,9 @@ def test_a_closure_is_measured_after_it_ran() -> None:
 
     The parameters are those before the update.
     """
-    model = _model()
+    model = float64_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    reference = Reference(optimizer, _names(model))
+    reference = Reference(optimizer, parameter_names(model))
     sink = RecordingSink()
 
     def closure() -> torch.Tensor:
@@ -289,7 +264,7 @@ def test_a_closure_is_measured_after_it_ran() -> None:
             observer.begin_step(step, sample=True)
             optimizer.step(closure)
             observer.end_step()
-    records = _step_records(sink)
+    records = step_records(sink)
     assert [r.step for r in records] == [0, 1]
     for record, copies in zip(records, reference.steps, strict=True):
         _check_parameters(record, copies)

@@ -8,6 +8,7 @@ with ``torch.cuda.max_memory_allocated`` on a GPU.
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import polars as pl
 import pytest
@@ -74,6 +75,31 @@ def test_gradients_are_unscaled_and_clipped_as_the_optimizer_sees_them() -> None
             assert_matches(rows, layer, "parameter_gradient", path, stats(gradient), rel=1e-5)
         norm = rows[("<model>", "parameter_gradient", "*", "l2_norm")]
         assert norm == pytest.approx(0.05, rel=1e-4)  # clipped to max_norm, not scaled by 4096
+
+
+def test_a_fused_optimizer_gradients_are_unscaled() -> None:
+    """A fused AdamW that unscales inside its own step: the gradients are recorded unscaled.
+
+    The GradScaler leaves the scale on the optimizer (``grad_scale``); the rows divide by it and
+    match the gradients the fused step left unscaled in ``.grad``.
+    """
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    names = {id(p): name for name, p in model.named_parameters()}
+    reference = Reference(optimizer, names)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+        _scaled_step(model, optimizer, scaler)
+    (record,) = [s for s in sink.samples if s.kind is RecordKind.STEP]
+    rows = values_of(record)
+    (copies,) = reference.steps
+    for name, gradient in copies.gradient.items():
+        layer, path = split(name)
+        assert_matches(rows, layer, "parameter_gradient", path, stats(gradient), rel=1e-5)
+    total = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in copies.gradient.values()]))
+    norm = rows[("<model>", "parameter_gradient", "*", "l2_norm")]
+    assert norm == pytest.approx(total.item(), rel=1e-5)
 
 
 def test_a_skipped_step_has_a_note_and_no_rows(tmp_path: pathlib.Path) -> None:
@@ -179,3 +205,33 @@ def test_the_update_copy_on_cuda_is_bounded_and_freed() -> None:
     peak_without, left_without = step_peak(("parameter", "parameter_gradient", "optimizer_state"))
     assert peak - peak_without <= size + 64 * 1024  # the caching allocator rounds each block
     assert left <= left_without + 4096
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        lambda p: torch.optim.AdamW(p, lr=0.01),
+        lambda p: torch.optim.AdamW(p, lr=0.01, capturable=True),
+    ],
+    ids=["SGD", "AdamW", "AdamW-capturable"],
+)
+def test_a_recorded_cuda_step_never_waits_for_the_device(make: Any) -> None:
+    """On CUDA a recorded optimizer step reads nothing on the host (sync debug mode "error")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)).cuda()
+    optimizer = make(model.parameters())
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+        for _ in range(2):
+            model(torch.randn(4, 64, device="cuda")).sum().backward()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                optimizer.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            optimizer.zero_grad()
+    records = [s for s in sink.samples if s.kind is RecordKind.STEP]
+    assert len(records) == 2
+    assert all(row.value is not None for row in records[-1].rows)

@@ -159,6 +159,7 @@ class Observer:
         of an accumulated step), and none is otherwise. Once an adapter calls this, the sampler is
         no longer consulted: forwards outside ``begin_step``/``end_step`` are not sampled.
 
+        The watched optimizers' steps inside a sampled step are recorded (``watch_optimizer``).
         A sampled step arms the per-module hooks now, before its first forward, and keeps them
         until ``end_step``: a compiled model then runs the whole step as plain Python (see
         ``force_eager``) instead of compiling a variant of its graph with the hooks in it.
@@ -242,21 +243,14 @@ class Observer:
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Record the sampled steps of ``optimizer``: the optimizer step signals.
 
-        Hooks ``optimizer``'s own step pre- and post-hook (``register_step_pre_hook``, public
-        torch API); removal removes them. Watching the same optimizer again does nothing;
-        several optimizers are each recorded, one step record per recorded optimizer step.
-        A wrapper with a public ``optimizer`` attribute (Accelerate's) is unwrapped.
-
-        Which steps are recorded: under an adapter, each watched optimizer's first step inside
-        a sampled trainer step (``begin_step(step, sample=True)``, or one in which a sample was
-        opened with gradients enabled), numbered with that step; in a plain loop, each watched
-        optimizer's first step after a sampled forward. Rows exist for the parameters that an
-        observed module registers (``layer`` its clean name, ``tensor_path`` the parameter's
-        name; a parameter shared by several belongs to the first in model order); the
-        whole-model rows (``MODEL_LAYER``, ``ALL_PARAMETERS``) are described in the README.
-        A sampled trainer step in which no watched optimizer stepped (the fp16 ``GradScaler``
-        skipped it) has a step record without rows whose ``note`` is
-        ``"optimizer_step_skipped"``, written when the next step begins.
+        Hooks ``optimizer``'s own step pre- and post-hook (public torch API), removed with the
+        observer; a second call does nothing; several optimizers each get step records. Under
+        an adapter each watched optimizer's first step inside a sampled trainer step is
+        recorded at that step; in a plain loop its first step after a sampled forward. A
+        sampled trainer step without an optimizer step (the fp16 GradScaler skipped it) gets a
+        record without rows, noted ``optimizer_step_skipped``. The rows are described in the
+        README ("Optimizer step signals"). A wrapper with a public ``optimizer`` attribute
+        (Accelerate's) is unwrapped.
 
         Raises:
             ConfigurationError: ``optimizer`` is not a ``torch.optim.Optimizer``.

@@ -43,7 +43,9 @@ def _gathered(values: Sequence[torch.Tensor], device: torch.device) -> torch.Ten
     return torch.stack(moved)
 
 
-def whole_gradient(gradients: Sequence[torch.Tensor]) -> StepScalars:
+def whole_gradient(
+    gradients: Sequence[torch.Tensor], scale: torch.Tensor | None = None
+) -> StepScalars:
     """The whole-model ``parameter_gradient`` row: l2 norm, non-finite and zero entries.
 
     The norm is ``torch.nn.utils.clip_grad_norm_``'s total norm: the l2 norm of the per-tensor
@@ -51,6 +53,8 @@ def whole_gradient(gradients: Sequence[torch.Tensor]) -> StepScalars:
 
     Args:
         gradients: Plain dense gradient tensors, at least one.
+        scale: A loss scale the gradients still carry (the norm is divided by it; the counts
+            do not change).
     """
     dtype = _common_dtype(gradients)
     device = gradients[0].device
@@ -58,7 +62,10 @@ def whole_gradient(gradients: Sequence[torch.Tensor]) -> StepScalars:
     nonfinite = _gathered([(~torch.isfinite(g)).sum() for g in gradients], device).sum()
     zeros = _gathered([(g == 0).sum() for g in gradients], device).sum()
     entries = sum(g.numel() for g in gradients)
-    values = torch.stack([torch.linalg.vector_norm(norms), nonfinite.to(dtype), zeros.to(dtype)])
+    total = torch.linalg.vector_norm(norms)
+    if scale is not None:
+        total = total / scale.detach().reshape(()).to(device, dtype, non_blocking=True)
+    values = torch.stack([total, nonfinite.to(dtype), zeros.to(dtype)])
     return StepScalars(
         MODEL_LAYER,
         Signal.PARAMETER_GRADIENT,
@@ -92,12 +99,13 @@ def adam_ratio(
     if not isinstance(second, torch.Tensor) or step is None or betas is None:
         return None
     dtype = working_dtype(second.dtype)
-    beta2 = float(betas[1])
-    correction: float | torch.Tensor
+    beta2 = betas[1]  # a float, or a tensor (on the device under capturable)
+    count: float | torch.Tensor
     if isinstance(step, torch.Tensor) and step.device.type != "cpu":  # capturable: stay there
-        correction = 1 - torch.pow(beta2, step.to(second.device, dtype))
+        count = step.to(second.device, dtype)
     else:  # a host number: a CPU tensor is read without waiting for any device
-        correction = 1 - beta2 ** float(step)
+        count = float(step)
+    correction = 1 - beta2**count
     eps = float(group.get("eps", 1e-8))
     v_hat = second.to(dtype) / correction
     ratio = gradient.to(dtype).square() / torch.clamp(v_hat, min=eps * eps)

@@ -43,6 +43,7 @@ class StepTensor:
         histogram: Also compute its histogram.
         extra_metrics: Further metrics of the tensor, each a device scalar computed by the
             caller (``update_to_weight`` on an update), as ``(metric, value)`` pairs.
+        scale: Measure the tensor divided by this (a loss scale), on its device.
 
     Raises:
         ConfigurationError: ``signal`` belongs to forward samples.
@@ -54,6 +55,7 @@ class StepTensor:
     tensor: torch.Tensor
     histogram: bool = False
     extra_metrics: tuple[tuple[str, torch.Tensor], ...] = ()
+    scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if Signal(self.signal).kind is not RecordKind.STEP:
@@ -111,7 +113,7 @@ class StepRecorder:
                 record.add(site, _scalars(item))
                 continue
             measurement = measure_site(
-                self._measurer, self._failures, item.tensor, site, item.histogram
+                self._measurer, self._failures, item.tensor, site, item.histogram, item.scale
             )
             if item.extra_metrics and measurement.reason is None:
                 _add_extra(measurement, item.extra_metrics)

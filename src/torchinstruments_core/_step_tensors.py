@@ -99,7 +99,14 @@ def stepped(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
 def before_step(
     optimizer: torch.optim.Optimizer, parameters: ParameterMap, signals: frozenset[Signal]
 ) -> tuple[list[StepTensor | StepScalars], list[PreStepCopy]]:
-    """The tensors to measure before the update, and the copies the update needs."""
+    """The tensors to measure before the update, and the copies the update needs.
+
+    A fused optimizer stepped by a GradScaler unscales the gradients inside its own step; the
+    scaler leaves the scale on it (``optimizer.grad_scale``), and the gradients are measured
+    divided by it.
+    """
+    scale = getattr(optimizer, "grad_scale", None)
+    scale = scale if isinstance(scale, torch.Tensor) else None
     tensors: list[StepTensor | StepScalars] = []
     copies: list[PreStepCopy] = []
     gradients: list[torch.Tensor] = []
@@ -112,23 +119,26 @@ def before_step(
         owner = parameters.owner(parameter)
         if owner is None:
             continue
-        tensors.extend(_parameter_tensors(parameter, owner, signals))
+        tensors.extend(_parameter_tensors(parameter, owner, signals, scale))
         if gradient is not None and Signal.UPDATE in signals:
             copy = _copy(parameter, owner)
             if copy is not None:
                 copies.append(copy)
     if gradients and Signal.PARAMETER_GRADIENT in signals:
-        tensors.append(whole_gradient(gradients))
+        tensors.append(whole_gradient(gradients, scale))
     return tensors, copies
 
 
 def _parameter_tensors(
-    parameter: torch.Tensor, owner: Owner, signals: frozenset[Signal]
+    parameter: torch.Tensor, owner: Owner, signals: frozenset[Signal], scale: torch.Tensor | None
 ) -> Iterator[StepTensor]:
     if Signal.PARAMETER in signals:
         yield _tensor(owner, Signal.PARAMETER, owner.name, parameter.detach())
     if parameter.grad is not None and Signal.PARAMETER_GRADIENT in signals:
-        yield _tensor(owner, Signal.PARAMETER_GRADIENT, owner.name, parameter.grad)
+        gradient = parameter.grad
+        yield StepTensor(
+            owner.layer, Signal.PARAMETER_GRADIENT, owner.name, gradient, owner.histogram, (), scale
+        )
 
 
 def _tensor(

@@ -15,7 +15,8 @@ private trainer attributes, so a new one (Fabric, the Transformers ``Trainer``) 
 3. Honour ``rank_policy``. Only where ``observes(main=...)``: build ``sink(folder, targets)``,
    with the trainer's loggers mapped to routing targets (``SummaryWriterTarget``,
    ``WandbRunTarget``, ``ScalarTarget`` of ``torchinstruments_core.routing``) on the main
-   process only, and ``inject`` the model.
+   process only, and ``inject`` the model with ``optimizers=`` every optimizer of the trainer
+   (the optimizer step signals; a torch optimizer or a wrapper with a public ``optimizer``).
 4. Map the trainer's events. ``begin_step(step, sample=watch.begin_step(step))`` before a
    step's first forward, ``end_step()`` once its optimizer step is done, where ``watch`` is
    the run's ``nonfinite_watch(targets)``, passed to ``sink(..., watch=watch)``: it samples

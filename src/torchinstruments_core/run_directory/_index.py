@@ -73,7 +73,13 @@ Statistics describe the finite entries of a tensor; the two fractions describe t
 `mean`, `std` (population), `min`, `max`, `rms`, `max_abs`; `p25`, `p50`, `p75` (from a uniform
 random subsample of 32,768 entries for larger tensors: rank error below 0.015 with probability
 above 0.999999); `zero_fraction`, `nonfinite_fraction` (NaN and ±Inf).
-`max_abs / rms` large means outlier-dominated ranges (int8/fp8 quantization risk)."""
+`max_abs / rms` large means outlier-dominated ranges (int8/fp8 quantization risk).
+Step records add: `update_to_weight` on `update` rows (rms(update) / rms(parameter before the
+step)); `gradient_rms_ratio` on Adam-family `<name>.exp_avg_sq` rows (rms(g / sqrt(v_hat)), v_hat
+the bias-corrected second moment, floored at eps**2); on the whole-model rows (`layer` `<model>`,
+`tensor_path` `*`): `parameter_gradient` `l2_norm` (clip_grad_norm_'s total norm over the model's
+parameters the optimizer steps), `nonfinite_count` and `zero_count` (entries), and `update`
+`l2_norm` (over the observed parameters)."""
 
 QUERIES: tuple[tuple[str, str], ...] = (
     (

@@ -1,0 +1,65 @@
+"""``StepWindow``: which optimizer steps are recorded, and which sampled steps had none."""
+
+from __future__ import annotations
+
+from torchinstruments_core._step_window import StepWindow
+
+
+def _watching() -> StepWindow:
+    window = StepWindow()
+    window.watching = True
+    return window
+
+
+def test_nothing_opens_until_an_optimizer_is_watched() -> None:
+    """Without a watched optimizer a sample opens no window and no step is claimed."""
+    window = StepWindow()
+    assert window.sampled(0) is None
+    assert not window.open
+    assert not window.claim(object())
+
+
+def test_each_optimizer_is_claimed_once_per_window() -> None:
+    """In one window each optimizer's first step is claimed; its next step closes the window."""
+    window, first, second = _watching(), object(), object()
+    window.sampled(None)
+    assert window.claim(first)
+    assert window.claim(second)
+    assert not window.claim(first)  # the next iteration's step: not sampled
+    assert not window.open
+    assert not window.claim(second)
+
+
+def test_micro_batches_of_one_step_share_its_window() -> None:
+    """Samples of the same step before its optimizer step keep the window; after it, a new one."""
+    window, optimizer = _watching(), object()
+    window.sampled(3)
+    assert window.sampled(3) is None  # the second micro-batch
+    assert window.claim(optimizer)
+    assert window.step == 3
+    assert window.sampled(3) is None  # a new window: the optimizer may step again
+    assert window.claim(optimizer)
+
+
+def test_a_step_without_an_optimizer_step_is_reported_once_the_next_begins() -> None:
+    """A sampled step whose window closes unstepped is returned, by a new step or sample alike."""
+    window, optimizer = _watching(), object()
+    window.sampled(5)
+    assert window.announced(5) is None  # the same step goes on
+    assert window.announced(6) == 5
+    window.sampled(6)
+    assert window.sampled(7) == 6
+    assert window.claim(optimizer)
+    assert window.announced(8) is None  # it stepped
+
+
+def test_a_plain_loop_window_is_never_reported_and_removal_reports_nothing() -> None:
+    """Without step numbers there is nothing to note; ``close`` notes nothing either."""
+    window = _watching()
+    window.sampled(None)
+    assert window.sampled(None) is None
+    window.close()
+    assert not window.open
+    window.sampled(2)
+    window.close()
+    assert window.announced(3) is None
