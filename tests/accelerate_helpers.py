@@ -133,8 +133,10 @@ def events(folder: pathlib.Path) -> EventAccumulator:
     return accumulator
 
 
-def samples(folder: pathlib.Path) -> pl.DataFrame:
-    return pl.read_parquet(folder / "samples.parquet")
+def samples(folder: pathlib.Path, kind: str | None = "forward") -> pl.DataFrame:
+    """``samples.parquet``: the forward samples (``kind=None``: the step records too)."""
+    frame = pl.read_parquet(folder / "samples.parquet")
+    return frame if kind is None else frame.filter(pl.col("kind") == kind)
 
 
 def hooks(model: nn.Module) -> int:

@@ -33,6 +33,7 @@ from accelerate_helpers import (
 )
 from torchinstruments_accelerate import TelemetryTracker
 from torchinstruments_core import ConfigurationError, ObservationWarning
+from torchinstruments_core._signals import MODEL_LAYER
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +76,7 @@ def test_tensorboard_and_scalar_trackers_get_the_sampled_steps(tmp_path: pathlib
     assert not any(key.endswith("/histogram") for _, values in routed for key in values)
     history = pl.read_parquet(tmp_path / "telemetry" / "history.parquet")
     assert sorted(history["step"].unique()) == [0, 3, 6]
-    assert set(history["layer"]) == {"net.0", "net.1", "net.2"}
+    assert set(history["layer"]) == {"net.0", "net.1", "net.2", MODEL_LAYER}
     assert hooks(model) == 0
 
 
@@ -116,8 +117,10 @@ def test_watch_before_or_after_prepare_under_mixed_precision(
     assert model.__dict__["forward"] is autocast_forward
     history = pl.read_parquet(tmp_path / "telemetry" / "history.parquet")
     assert sorted(history["step"].unique()) == [0, 2]
-    assert set(history["layer"]) == {"net.0", "net.1", "net.2"}
-    assert set(history["signal"]) == {"output", "output_gradient"}
+    assert set(history["layer"]) == {"net.0", "net.1", "net.2", MODEL_LAYER}
+    # plain SGD holds no state: no optimizer_state rows
+    forward, step = {"output", "output_gradient"}, {"parameter", "parameter_gradient", "update"}
+    assert set(history["signal"]) == forward | step
     assert history["value"].null_count() == 0
 
 

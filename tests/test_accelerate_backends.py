@@ -13,6 +13,7 @@ import pytest
 
 from accelerate_helpers import events, reset_accelerate_state, samples, setup, train
 from torchinstruments_accelerate import TelemetryTracker
+from torchinstruments_core._signals import MODEL_LAYER
 from wandb_records import history_rows
 
 
@@ -74,6 +75,8 @@ def test_two_processes_one_directory_per_rank_or_only_rank0(tmp_path: pathlib.Pa
 
     The main process logs step k + 1 after step k: its samples of steps 0, 2, 4 are 1, 3, 5. The
     other process sees no log and keeps the tracker's count; optimizer_step is the same on both.
+    Each rank records the optimizer steps of its sampled steps, with the same global gradient
+    norm (DDP averaged the gradients), and TensorBoard gets rank 0's at 1, 3, 5.
     """
     subprocess.run(
         [sys.executable, "-W", "error", "-c", LAUNCH, str(tmp_path)],
@@ -89,15 +92,29 @@ def test_two_processes_one_directory_per_rank_or_only_rank0(tmp_path: pathlib.Pa
                 frame = samples(telemetry / f"rank-{rank:03d}")
                 assert frame["step"].to_list() == steps
                 assert frame["optimizer_step"].to_list() == [0, 2, 4]
+            for rank in (0, 1):
+                records = samples(telemetry / f"rank-{rank:03d}", kind="step")
+                assert records["optimizer_step"].to_list() == [0, 2, 4]
             frame = pl.scan_parquet(telemetry / "rank-*" / "history.parquet").collect()
             assert sorted(frame["rank"].unique()) == [0, 1]
+            norms = frame.filter((pl.col("layer") == MODEL_LAYER) & (pl.col("metric") == "l2_norm"))
+            by_rank = [  # DDP averaged the gradients: every rank's step used the same ones
+                norms.filter((pl.col("rank") == r) & (pl.col("signal") == "parameter_gradient"))
+                .sort("step")["value"]
+                .to_list()
+                for r in (0, 1)
+            ]
+            assert len(by_rank[0]) == 3
+            assert by_rank[0] == pytest.approx(by_rank[1], rel=1e-6)
         else:
             assert not list(telemetry.glob("rank-*"))
             assert samples(telemetry)["step"].to_list() == [1, 3, 5]
             frame = pl.read_parquet(telemetry / "history.parquet")
             assert frame["rank"].unique().to_list() == [0]
-        assert set(frame["layer"]) == {"net.0", "net.1", "net.2"}  # no "module." of DDP
+        assert set(frame["layer"]) == {"net.0", "net.1", "net.2", MODEL_LAYER}  # no "module."
         tensorboard = events(tmp_path / policy / "exp")
         histograms = tensorboard.Histograms("telemetry/net.2/output_gradient/histogram")
         assert [e.step for e in histograms] == [1, 3, 5]
         assert [e.step for e in tensorboard.Scalars("telemetry/net.0/output/rms")] == [1, 3, 5]
+        norm = tensorboard.Scalars("telemetry/model/parameter_gradient/l2_norm")
+        assert [e.step for e in norm] == [1, 3, 5]

@@ -39,8 +39,10 @@ def _train(fabric: Fabric, model: Any, optimizer: Any, steps: int, micro_batches
         optimizer.zero_grad()
 
 
-def _samples(folder: pathlib.Path) -> pl.DataFrame:
-    return pl.read_parquet(folder / "samples.parquet")
+def _samples(folder: pathlib.Path, kind: str | None = "forward") -> pl.DataFrame:
+    """``samples.parquet``: the forward samples (``kind=None``: the step records too)."""
+    frame = pl.read_parquet(folder / "samples.parquet")
+    return frame if kind is None else frame.filter(pl.col("kind") == kind)
 
 
 def _events(folder: pathlib.Path | str) -> EventAccumulator:
@@ -71,7 +73,7 @@ def test_setup_attaches_and_the_loggers_get_the_sampled_steps(tmp_path: pathlib.
     assert telemetry.run_directory == run
     assert _samples(run)["step"].to_list() == [0, 2, 4]
     assert not (run / "tensorboard").exists()
-    assert set(pl.read_parquet(run / "history.parquet")["layer"]) == {"0", "1", "2"}
+    assert set(pl.read_parquet(run / "history.parquet")["layer"]) == {"0", "1", "2", "<model>"}
     events = _events(tensorboard.log_dir)
     for tag in ("telemetry/0/output/histogram", "telemetry/2/output_gradient/histogram"):
         assert [event.step for event in events.Histograms(tag)] == [0, 2, 4]
@@ -137,18 +139,19 @@ def _resumable_run(root: pathlib.Path, steps: int, *, load: str | None) -> Fabri
 def test_a_resumed_run_continues_sample_ids_and_steps(tmp_path: pathlib.Path, load: str) -> None:
     """A run restored with ``fabric.load`` continues where the checkpoint stopped.
 
-    Four steps, saved, then four more in a new Fabric: the second run samples steps 4 and 6 as
-    sample ids 2 and 3, under a new run id in a folder of its own, so no
-    ``(run_id, rank, sample_id)`` repeats and the step axis runs on.
+    Four steps, saved, then four more in a new Fabric: the second run samples steps 4 and 6,
+    its ids (forward samples and step records, one sequence) going on from the first run's,
+    under a new run id in a folder of its own, so no ``(run_id, rank, sample_id)`` repeats and
+    the step axis runs on.
     """
     first = _resumable_run(tmp_path, 4, load=None)
     second = _resumable_run(tmp_path, 4, load=load)
     assert first.run_directory is not None
     assert second.run_directory is not None
     assert second.run_directory != first.run_directory
-    both = pl.concat([_samples(first.run_directory), _samples(second.run_directory)])
-    assert both["step"].to_list() == [0, 2, 4, 6]
-    assert both["sample_id"].to_list() == [0, 1, 2, 3]
+    both = pl.concat([_samples(first.run_directory, None), _samples(second.run_directory, None)])
+    assert both.filter(pl.col("kind") == "forward")["step"].to_list() == [0, 2, 4, 6]
+    assert both["sample_id"].to_list() == list(range(8))  # each sampled step: forward, step
     assert both["run_id"].n_unique() == 2
     assert not both.select("run_id", "rank", "sample_id").is_duplicated().any()
 
@@ -231,6 +234,7 @@ def test_two_processes(tmp_path: pathlib.Path, policy: str) -> None:
         "0",
         "1",
         "2",
+        "<model>",
     }
     histograms = _events(log_dir).Histograms("telemetry/0/output/histogram")
     assert [event.step for event in histograms] == [0, 2]

@@ -5,10 +5,13 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
+from torchinstruments_core import ObservationWarning, RecordKind, inject_observer
 from torchinstruments_core.adapter import OptimizerClock
+from torchinstruments_core.testing import RecordingSink
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: int = 1) -> None:
@@ -77,3 +80,111 @@ def test_the_clock_does_not_keep_the_model_alive() -> None:
     _step(other, torch.optim.SGD(other.parameters(), lr=0.1))
     clock.remove()
     assert ticks == []
+
+
+class Pair(nn.Module):
+    """Two parts trained by two optimizers, as a GAN's generator and discriminator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def _pair_step(model: Pair, optimizers: list[torch.optim.Optimizer]) -> None:
+    for optimizer in optimizers:
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_followed_optimizers_tick_once_each_of_them_stepped() -> None:
+    """Told two optimizers (wrapped ones too), one tick per loop iteration stepping both.
+
+    Each goes to ``on_optimizer`` at once, unwrapped; the order they step in does not matter,
+    and one stepping twice before the other does not tick twice.
+    """
+    model = Pair()
+    first = torch.optim.SGD(model.first.parameters(), lr=0.1)
+    second = torch.optim.Adam(model.second.parameters(), lr=0.1)
+    ticks: list[None] = []
+    handed: list[torch.optim.Optimizer] = []
+    clock = OptimizerClock(model, lambda: ticks.append(None), on_optimizer=handed.append)
+    clock.follow([first, _Wrapper(second)])
+    assert handed == [first, second]
+    _pair_step(model, [first, second])
+    _pair_step(model, [second, first])
+    _pair_step(model, [first, first, second])
+    clock.remove()
+    assert len(ticks) == 3
+
+
+def test_a_found_optimizer_is_handed_over_before_its_first_step_runs() -> None:
+    """The optimizer found is handed over before its first step's update runs.
+
+    From that step's pre-hook: a step hook registered there already runs in that first step.
+    """
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    seen: list[bool] = []
+
+    def watch(found: torch.optim.Optimizer) -> None:
+        assert found is optimizer
+        assert torch.equal(model.weight, before)  # the update has not run yet
+        found.register_step_pre_hook(lambda *_: seen.append(True))
+
+    clock = OptimizerClock(model, lambda: None, on_optimizer=watch)
+    _step(model, optimizer)
+    _step(model, optimizer)
+    clock.remove()
+    assert seen == [True, True]
+
+
+def test_a_second_optimizer_found_is_not_followed_and_warns() -> None:
+    """Without ``follow``, a second optimizer of the model warns once and is not followed."""
+    model = Pair()
+    first = torch.optim.SGD(model.first.parameters(), lr=0.1)
+    second = torch.optim.SGD(model.second.parameters(), lr=0.1)
+    ticks: list[None] = []
+    handed: list[torch.optim.Optimizer] = []
+    clock = OptimizerClock(model, lambda: ticks.append(None), on_optimizer=handed.append)
+    with pytest.warns(ObservationWarning, match=r"second optimizer \(SGD\).*optimizer=\[\.\.\.\]"):
+        _pair_step(model, [first, second])
+    _pair_step(model, [first, second])  # no second warning (filterwarnings=error)
+    clock.remove()
+    assert (handed, len(ticks)) == ([first], 2)
+
+
+class _Wrapper:
+    """A wrapper with a public ``optimizer`` attribute, as Accelerate's and Fabric's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+
+def test_an_optimizer_found_during_a_sampled_step_records_that_step() -> None:
+    """An adapter that finds its optimizer at the first step records that step (step 0).
+
+    The step was announced sampled before any optimizer was watched; the clock hands the
+    optimizer to ``watch_optimizer`` from its first step's pre-hook, and torch runs the step hooks
+    registered there in that same step: the step record is there, with the gradient it used.
+    """
+    sink = RecordingSink()
+    model = nn.Sequential(nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with inject_observer(model, sink=sink) as observer:
+        clock = OptimizerClock(model, lambda: None, on_optimizer=observer.watch_optimizer)
+        observer.begin_step(0, sample=True)
+        model(torch.randn(3, 4)).sum().backward()
+        gradient = model[0].weight.grad.clone()  # type: ignore[union-attr,operator]
+        optimizer.step()
+        observer.begin_step(1, sample=False)
+        clock.remove()
+    records = [record for record in sink.samples if record.kind is RecordKind.STEP]
+    assert [record.step for record in records] == [0]
+    rms = sink.value("0", "parameter_gradient", "rms", tensor_path="weight")
+    assert rms == pytest.approx(gradient.square().mean().sqrt().item())

@@ -73,6 +73,7 @@ SURFACES: dict[str, list[str]] = {
         "StepNumbering",
         "TelemetryOptions",
         "TriggeredSchedule",
+        "check_optimizers",
         "loss_scale_reader",
         "new_run_id",
         "run_folder",

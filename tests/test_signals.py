@@ -19,7 +19,7 @@ from torchinstruments_core import (
     Signal,
     inject_observer,
 )
-from torchinstruments_core._signals import MODEL_LAYER, routed_by_default
+from torchinstruments_core._signals import ALL_PARAMETERS, MODEL_LAYER, routed_by_default
 from torchinstruments_core.routing import LoggerRouter, tensor_key
 from torchinstruments_core.run_directory._index import render_index
 from torchinstruments_core.run_directory._summary import _COLUMNS
@@ -38,7 +38,10 @@ class Recorder:
 
 
 def _run() -> RunInfo:
-    layers = (LayerInfo("encoder.0", "Linear", 12, True),)
+    layers = (
+        LayerInfo("encoder.0", "Linear", 12, True, ("weight", "bias")),
+        LayerInfo("encoder.1", "Linear", 12, False, ("weight", "bias")),
+    )
     return RunInfo("r", 0, 1, "rank0", "Net", "AlwaysSampler()", layers, ("rms",))
 
 
@@ -118,13 +121,43 @@ def test_router_routes_the_default_signals_or_the_chosen_ones() -> None:
         LoggerRouter((), signals=["grad"])
 
 
-def test_documented_scalar_keys_cover_each_forward_signal() -> None:
-    """``scalar_keys`` lists a key per routed forward signal and metric of each focus layer."""
+def test_documented_scalar_keys_cover_each_routed_signal() -> None:
+    """``scalar_keys`` lists forward keys, then step keys, then the whole-model keys.
+
+    Each focus layer's step keys name each parameter, with the metrics the signal's definition
+    routes.
+    """
     keys = LoggerRouter(()).scalar_keys(_run())
     assert keys[:2] == ["telemetry/nonfinite_tensors", "telemetry/collection_duration_ms"]
     forward = [s for s in routed_by_default() if s.kind is RecordKind.FORWARD and s.tensor_root]
-    assert keys[2:] == [f"telemetry/encoder.0/{signal}/rms" for signal in forward]
-    assert "telemetry/encoder.0/output_gradient/rms" in keys
+    assert keys[2:4] == [f"telemetry/encoder.0/{signal}/rms" for signal in forward]
+    assert keys[4:] == [
+        "telemetry/step/nonfinite_tensors",
+        "telemetry/step/collection_duration_ms",
+        "telemetry/encoder.0/parameter_gradient/weight/rms",
+        "telemetry/encoder.0/parameter_gradient/bias/rms",
+        "telemetry/encoder.0/update/weight/update_to_weight",
+        "telemetry/encoder.0/update/bias/update_to_weight",
+        "telemetry/model/parameter_gradient/l2_norm",
+        "telemetry/model/parameter_gradient/nonfinite_count",
+        "telemetry/model/parameter_gradient/zero_count",
+        "telemetry/model/update/l2_norm",
+    ]
+    assert not any("<" in key or "*" in key for key in keys)
+
+
+def test_routed_step_metrics_are_data_of_the_signals() -> None:
+    """Which step metrics reach the loggers is each signal's definition, not the router's."""
+    assert Signal.PARAMETER_GRADIENT.spec.routed_metrics == ("rms",)
+    assert Signal.UPDATE.spec.routed_metrics == ("update_to_weight",)
+    assert Signal.PARAMETER_GRADIENT.spec.model_metrics == (
+        "l2_norm",
+        "nonfinite_count",
+        "zero_count",
+    )
+    assert Signal.UPDATE.spec.model_metrics == ("l2_norm",)
+    assert all(s.spec.routed_metrics is None for s in Signal if s.kind is RecordKind.FORWARD)
+    assert tensor_key(MODEL_LAYER, 0, Signal.UPDATE, ALL_PARAMETERS) == "model/update"
 
 
 def test_index_md_lists_every_signal_with_its_kind_and_root() -> None:

@@ -68,9 +68,11 @@ def _loss_steps(trainer: Any) -> list[int]:
     return [entry["step"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def _samples(folder: pathlib.Path | None) -> pl.DataFrame:
+def _samples(folder: pathlib.Path | None, kind: str | None = "forward") -> pl.DataFrame:
+    """``samples.parquet``: the forward samples (``kind=None``: the step records too)."""
     assert folder is not None
-    return pl.read_parquet(folder / "samples.parquet")
+    frame = pl.read_parquet(folder / "samples.parquet")
+    return frame if kind is None else frame.filter(pl.col("kind") == kind)
 
 
 def test_tensorboard_holds_the_telemetry_at_the_global_step_of_the_sampled_steps_loss(
@@ -159,7 +161,7 @@ def test_each_micro_batch_of_a_sampled_step_is_a_sample_at_its_global_step(
         & (pl.col("signal") == "output_gradient")
         & (pl.col("metric") == "rms")
     )
-    assert gradients["sample_id"].to_list() == list(range(2 * micro_batches))
+    assert gradients["sample_id"].to_list() == samples["sample_id"].to_list()
     assert (gradients["value"] > 0).all()
 
 

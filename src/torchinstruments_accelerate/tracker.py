@@ -23,13 +23,15 @@ from torchinstruments_core.adapter import (
     OptimizerClock,
     StepNumbering,
     TelemetryOptions,
+    check_optimizers,
     run_folder,
 )
 
 if TYPE_CHECKING:
     import os
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
+    import torch
     from accelerate import Accelerator
 
     from torchinstruments_core import Observer, Sink
@@ -75,6 +77,16 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
       keeps the tracker's count in its ``optimizer_step`` column. Processes other than the main
       one see no ``log`` call and number their steps by the count.
 
+    Optimizers: each optimizer step of a sampled step is also recorded (the optimizer step
+    signals: parameters, the gradients the optimizer uses, updates, optimizer state), numbered
+    like that step's samples. ``watch(..., optimizer=...)`` names the optimizers (the ones
+    ``accelerator.prepare`` returned, or the torch ones inside); with several, a step ends once
+    each of them has stepped. Without it, the tracker (which never sees the loop, and reads no
+    private ``Accelerator`` attribute) finds the optimizer as torch steps it: the first whose
+    step updates one of the model's parameters, through torch's global optimizer step hooks,
+    before its first step runs. A second optimizer found that way warns
+    (``ObservationWarning``) and is neither recorded nor counted: pass every one to ``watch``.
+
     Non-finite values: a value the loop logs (``accelerator.log``) under a key containing
     ``loss`` (any case), a float or a one-element tensor, is checked without waiting for the
     device (a tensor's check is read at the next optimizer step); when it is NaN or Inf the
@@ -98,7 +110,11 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         the step above: histograms to the TensorBoard tracker (raw histograms, its ``writer``)
         and the W&B tracker (``wandb.Histogram``, its ``run``, with W&B's ``step=``), scalars to
         every tracker (MLflow, Comet … through their ``log``); the non-finite message as text
-        to the TensorBoard and W&B trackers. The run directory is by default
+        to the TensorBoard and W&B trackers. The optimizer step's keys (the focus layers'
+        ``…/parameter_gradient/<parameter>/rms`` and ``…/update/<parameter>/update_to_weight``,
+        ``<prefix>/model/parameter_gradient/l2_norm``, ``…/nonfinite_count``, ``…/zero_count``
+        and ``<prefix>/model/update/l2_norm``) are at the same step as the samples, the step of
+        the user's loss. The run directory is by default
         ``<accelerator.logging_dir>/telemetry`` (the project directory; ``./telemetry`` when
         neither is known); ``watch`` logs its absolute path at INFO on the main process.
 
@@ -118,7 +134,7 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         accelerator = Accelerator(log_with=["tensorboard", telemetry], project_dir="runs")
         accelerator.init_trackers("exp")
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        telemetry.watch(model, accelerator=accelerator)
+        telemetry.watch(model, accelerator=accelerator, optimizer=optimizer)
     """
 
     name = "torchinstruments"
@@ -185,7 +201,13 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         """
         return self._run_directory
 
-    def watch(self, model: nn.Module, *, accelerator: Accelerator | None = None) -> Observer | None:
+    def watch(
+        self,
+        model: nn.Module,
+        *,
+        accelerator: Accelerator | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    ) -> Observer | None:
         """Observe ``model`` (before or after ``accelerator.prepare``). Call it on every process.
 
         Args:
@@ -194,12 +216,16 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
             accelerator: Where to route scalars and histograms (its ``trackers``), the default
                 folder (its ``logging_dir``) and the fp16 loss scale (its ``scaler``) come from.
                 By default the one ``Accelerator`` whose ``log_with`` holds this tracker.
+            optimizer: The optimizer, or all of them, that train ``model`` (prepared or not):
+                their steps are counted and recorded. By default the first optimizer found
+                stepping one of the model's parameters (see "Optimizers").
 
         Returns:
             The core observer, or ``None`` on a process that does not observe.
 
         Raises:
-            ConfigurationError: ``model`` is not a module, or the tracker already watches one.
+            ConfigurationError: ``model`` is not a module, ``optimizer`` not an optimizer (or
+                a sequence of them), or the tracker already watches a model.
 
         Warns:
             ObservationWarning: ``accelerator`` was not given and not exactly one ``Accelerator``
@@ -207,6 +233,7 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         """
         if not isinstance(model, nn.Module):
             raise ConfigurationError.invalid("model", type(model).__name__, "a torch.nn.Module")
+        optimizers = () if optimizer is None else check_optimizers(optimizer)
         if self._clock is not None:
             raise ConfigurationError("this tracker already watches a model; call finish() first")
         holders = 1
@@ -238,7 +265,12 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         # read as each sample opens: after the scaler's update() that follows a tick
         scaler = getattr(accelerator, "scaler", None)
         self._observer.set_gradient_scale(self.gradient_scale(scaler, state.device))
-        self._clock = OptimizerClock(model, self._on_optimizer_step)
+        self._clock = OptimizerClock(
+            model,
+            self._on_optimizer_step,
+            on_optimizer=self._observer.watch_optimizer,
+            optimizers=optimizers,
+        )
         self._begin()
         if folder is not None and main:
             log.info("TelemetryTracker: writing the run directory to %s", folder.path)

@@ -39,7 +39,8 @@ class Layer:
     def info(self) -> LayerInfo:
         """The catalog entry of this layer."""
         count = sum(p.numel() for p in self.module.parameters())
-        return LayerInfo(self.name, type(self.module).__name__, count, self.histogram)
+        own = tuple(name for name, _ in self.module.named_parameters(recurse=False))
+        return LayerInfo(self.name, type(self.module).__name__, count, self.histogram, own)
 
 
 def focus_arguments(

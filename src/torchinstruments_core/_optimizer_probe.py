@@ -112,11 +112,16 @@ class OptimizerProbe:
         self._watched: dict[int, tuple[weakref.ref[Any], list[RemovableHandle]]] = {}
         self._pending: dict[int, _Pending] = {}
         self._stepping = False  # between a claimed pre-hook and its post-hook
+        self._sampled_step: int | None = None  # the step in progress, when announced sampled
 
     def watch(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, layers: list[Layer]
     ) -> None:
-        """Hook ``optimizer`` (once; a second call does nothing)."""
+        """Hook ``optimizer`` (once; a second call does nothing).
+
+        The first optimizer watched during a step announced sampled (an adapter that finds the
+        optimizer in its first step's pre-hook) opens that step's window: the step is recorded.
+        """
         known = self._watched.get(id(optimizer))
         if known is not None and known[0]() is optimizer:
             return
@@ -127,8 +132,11 @@ class OptimizerProbe:
             optimizer.register_step_post_hook(self._post),
         ]
         self._watched[id(optimizer)] = (weakref.ref(optimizer), handles)
+        first = not self._window.watching
         self._window.watching = bool(self._signals)
         self._lifecycle.on_training_sample = self.sampled
+        if first and self._sampled_step is not None:
+            self.sampled(self._sampled_step)
 
     # -- the window ---------------------------------------------------------------------------
 
@@ -143,6 +151,7 @@ class OptimizerProbe:
     def announced(self, step: int, *, sample: bool) -> None:
         """An adapter began trainer step ``step``."""
         self._stepping = False
+        self._sampled_step = step if sample else None
         self._note(self._window.announced(step))
         if sample:
             self.sampled(step)

@@ -60,8 +60,20 @@ class TelemetryOptions:
           (``/output.0``).
         - ``<prefix>/<layer>/<signal>/histogram``: the histogram of the same tensors, to the
           loggers that take histograms (TensorBoard, W&B); the others get the scalars only.
-        - ``<prefix>/nonfinite_tensors``: how many observed tensors held NaN or Inf in the sample.
-        - ``<prefix>/collection_duration_ms``: host time spent observing the sample.
+        - ``<prefix>/<layer>/parameter_gradient/<parameter>/rms`` and
+          ``<prefix>/<layer>/update/<parameter>/update_to_weight``: for each focus layer and
+          each of its parameters (``weight``, ``bias``), at a sampled optimizer step, the rms of
+          the gradient the optimizer used and rms(update) / rms(parameter before the step); the
+          metrics are those the signal's definition routes (``SignalSpec.routed_metrics``), not
+          ``scalar_metrics``.
+        - ``<prefix>/model/parameter_gradient/l2_norm``, ``…/nonfinite_count``,
+          ``…/zero_count`` and ``<prefix>/model/update/l2_norm``: over every observed parameter
+          at a sampled optimizer step, the global gradient norm, how many gradient entries are
+          NaN or Inf and how many are zero, and the norm of the update.
+        - ``<prefix>/nonfinite_tensors``: how many observed tensors held NaN or Inf in the sample
+          (``<prefix>/step/nonfinite_tensors`` for an optimizer step's tensors).
+        - ``<prefix>/collection_duration_ms``: host time spent observing the sample
+          (``<prefix>/step/collection_duration_ms`` for an optimizer step).
         - ``<prefix>/nonfinite_onset``: 1 at the step of a sample whose values turned
           non-finite (the first of an episode, see ``on_nonfinite``), to every logger;
           ``<prefix>/nonfinite``, the message naming the layers, as text to the loggers that

@@ -124,12 +124,17 @@ the step). Such a step record has no rows."""
 
 @dataclass(frozen=True, slots=True)
 class LayerInfo:
-    """One selected module, as the run's catalog lists it."""
+    """One selected module, as the run's catalog lists it.
+
+    ``parameter_names`` are the names of the module's own parameters (``weight``, ``bias``):
+    the ``tensor_path`` of its rows in step records.
+    """
 
     name: str
     type_name: str
     parameter_count: int
     histogram: bool
+    parameter_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,10 @@ class SignalSpec:
             parameter within its module (``weight``).
         gradient_of: The value of the signal this one is the gradient of; ``None`` for values.
         routed: Whether ``LoggerRouter`` routes it unless told which signals to route.
+        routed_metrics: The metrics of a layer's rows that ``LoggerRouter`` routes as scalars;
+            ``None``: the router's ``scalar_metrics``.
+        model_metrics: The metrics of its whole-model rows (layer ``MODEL_LAYER``) that
+            ``LoggerRouter`` routes as scalars, under ``<prefix>/model/<signal>/<metric>``.
         summary_label: Its short name in the columns of ``summarize_run``; ``None``: not shown.
     """
 
@@ -50,6 +54,8 @@ class SignalSpec:
     tensor_root: str | None = None
     gradient_of: str | None = None
     routed: bool = True
+    routed_metrics: tuple[str, ...] | None = None
+    model_metrics: tuple[str, ...] = ()
     summary_label: str | None = None
 
 
@@ -121,6 +127,8 @@ class Signal(StrEnum):
             "step's micro-batches.",
             kind=RecordKind.STEP,
             gradient_of="parameter",
+            routed_metrics=("rms",),
+            model_metrics=("l2_norm", "nonfinite_count", "zero_count"),
         ),
     )
     UPDATE = (
@@ -129,6 +137,8 @@ class Signal(StrEnum):
             "The change of a parameter over the optimizer step (after minus before); its "
             "`update_to_weight` is rms(update) / rms(parameter before the step).",
             kind=RecordKind.STEP,
+            routed_metrics=("update_to_weight",),
+            model_metrics=("l2_norm",),
         ),
     )
     OPTIMIZER_STATE = (
@@ -172,6 +182,13 @@ MODEL_LAYER = "<model>"
 
 ALL_PARAMETERS = "*"
 """The ``tensor_path`` of the whole-model rows: every observed parameter together."""
+
+MODEL_KEY = "model"
+"""What stands for ``MODEL_LAYER`` in a logged key (``telemetry/model/update/l2_norm``).
+
+Keys hold neither ``<`` nor ``*``. It cannot collide with a layer named ``model``: a layer's
+step keys always name the parameter (``telemetry/model/update/weight/update_to_weight``).
+"""
 
 
 @functools.cache

@@ -26,7 +26,10 @@ private trainer attributes, so a new one (Fabric, the Transformers ``Trainer``) 
    ``NonFiniteError``. A step that is not one call of the
    model (Lightning's ``training_step`` calls submodules) opens its sample with
    ``open_sample(step)`` and ends the forward with ``finish_forward()``. An adapter that never
-   sees the loop counts optimizer steps with ``OptimizerClock``. Under fp16, pass
+   sees the loop counts optimizer steps with ``OptimizerClock``, which also hands each of the
+   trainer's optimizers to ``Observer.watch_optimizer`` (``on_optimizer``): the ones given
+   (``check_optimizers`` checks an ``optimizer=`` argument), else the one it finds; an adapter
+   that is given the optimizer (Transformers' callback events) watches it itself. Under fp16, pass
    ``gradient_scale(scaler, device)`` to ``set_gradient_scale``.
 5. Number the steps as the user does. When the trainer's step is not the number the user logs
    under (the adapter counts optimizer steps itself), put a ``HoldingSink`` with a
@@ -39,6 +42,7 @@ from torchinstruments_core._clock import OptimizerClock
 from torchinstruments_core._config import ErrorPolicy, NonFinitePolicy, RankPolicy
 from torchinstruments_core._inject import new_run_id
 from torchinstruments_core._numbering import HoldingSink, StepNumbering
+from torchinstruments_core._optimizer_probe import check_optimizers
 from torchinstruments_core._options import (
     TelemetryOptions,
     TriggeredSchedule,
@@ -59,6 +63,7 @@ __all__ = [
     "StepNumbering",
     "TelemetryOptions",
     "TriggeredSchedule",
+    "check_optimizers",
     "loss_scale_reader",
     "new_run_id",
     "run_folder",

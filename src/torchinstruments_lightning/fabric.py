@@ -11,11 +11,20 @@ from lightning.fabric import is_wrapped
 from torch import nn
 
 from torchinstruments_core import ConfigurationError
-from torchinstruments_core.adapter import OptimizerClock, RunFolder, TelemetryOptions, run_folder
+from torchinstruments_core.adapter import (
+    OptimizerClock,
+    RunFolder,
+    TelemetryOptions,
+    check_optimizers,
+    run_folder,
+)
 from torchinstruments_lightning._loggers import has_tensorboard, logger_targets
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from lightning.fabric import Fabric
+    from torch.optim import Optimizer
 
     from torchinstruments_core import Observer
     from torchinstruments_core.adapter import NonFiniteWatch
@@ -42,6 +51,17 @@ class FabricTelemetry(TelemetryOptions):
     log your own scalars under the same count (``fabric.log(..., step=optimizer_steps)``,
     counted from 0 before the step) to line them up.
 
+    Optimizers: each optimizer step of a sampled step is also recorded (the optimizer step
+    signals: parameters, the gradients the optimizer uses, updates, optimizer state), numbered
+    like that step's samples. With one optimizer nothing is to be done: the first optimizer whose
+    step updates one of the model's parameters is found as torch steps it (torch's global
+    optimizer step hooks, before its first step runs; Fabric's ``on_after_setup`` is not given
+    the optimizers). With several, hand over what ``fabric.setup`` returned:
+    ``telemetry.watch_optimizers(optimizer_g, optimizer_d)`` (or ``watch(model, fabric,
+    optimizer=[...])``) before the first step; a step then ends once each of them has stepped.
+    A second optimizer found without it warns (``ObservationWarning``) and is neither recorded
+    nor counted.
+
     Processes: ``rank_policy`` as in ``TelemetryOptions``; the run id and folder are rank 0's,
     handed to the others with ``fabric.broadcast``. Finalizing: ``finish()`` (or
     ``fabric.call("on_train_end")``) removes every hook and finalizes the run directory; a
@@ -63,7 +83,11 @@ class FabricTelemetry(TelemetryOptions):
     Logged metrics:
         The keys of ``TelemetryOptions``, into ``fabric.loggers`` on global rank 0 at the step
         above: histograms and scalars to TensorBoardLogger (its ``experiment``), scalars to every
-        other logger (CSVLogger …, through ``log_metrics``). The run directory is ``output_dir``,
+        other logger (CSVLogger …, through ``log_metrics``); the optimizer step's keys (the
+        focus layers' ``…/parameter_gradient/<parameter>/rms`` and
+        ``…/update/<parameter>/update_to_weight``, ``<prefix>/model/parameter_gradient/l2_norm``,
+        ``…/nonfinite_count``, ``…/zero_count`` and ``<prefix>/model/update/l2_norm``) at the
+        same step as the samples. The run directory is ``output_dir``,
         else ``telemetry/`` in the first logger's ``log_dir`` (``version_3/telemetry``), else
         ``./telemetry``, with ``-<run_id>`` appended where that folder holds a run; it has no
         ``tensorboard/`` when a TensorBoardLogger receives the same histograms. Rank 0 logs
@@ -113,17 +137,32 @@ class FabricTelemetry(TelemetryOptions):
         """``fabric.call("on_train_end")``: ``finish``."""
         self.finish()
 
-    def watch(self, model: nn.Module, fabric: Fabric) -> Observer | None:
+    def watch(
+        self,
+        model: nn.Module,
+        fabric: Fabric,
+        *,
+        optimizer: Optimizer | Sequence[Optimizer] | None = None,
+    ) -> Observer | None:
         """Observe ``model`` (set up by ``fabric`` or not). A collective: call on every process.
+
+        Args:
+            model: The model the loop calls.
+            fabric: The ``Fabric`` it is set up with.
+            optimizer: The optimizer, or all of them, that train ``model`` (as ``fabric.setup``
+                returned them, or the torch ones): their steps are counted and recorded. By
+                default the first optimizer found stepping one of its parameters.
 
         Returns:
             The core observer, or ``None`` on a process that does not observe.
 
         Raises:
-            ConfigurationError: ``model`` is not a module, or a model is watched already.
+            ConfigurationError: ``model`` is not a module, ``optimizer`` not an optimizer (or
+                a sequence of them), or a model is watched already.
         """
         if not isinstance(model, nn.Module):
             raise ConfigurationError.invalid("model", type(model).__name__, "a torch.nn.Module")
+        optimizers = () if optimizer is None else check_optimizers(optimizer)
         if self._watching:
             raise ConfigurationError("this FabricTelemetry already watches a model; finish() first")
         self._watching = True
@@ -133,7 +172,7 @@ class FabricTelemetry(TelemetryOptions):
         )
         if self.observes(main=main):
             self._run_directory = folder.path if folder is not None else None
-            self._inject(_original(model), fabric, folder, run_id)
+            self._inject(_original(model), fabric, folder, run_id, optimizers)
         if folder is not None and main:
             log.info("FabricTelemetry: writing the run directory to %s", folder.path)
         if self.rank_policy == "all":
@@ -141,6 +180,22 @@ class FabricTelemetry(TelemetryOptions):
             # sample); a sink created later would take that folder for an older run's.
             fabric.barrier("torchinstruments-watch")
         return self._observer
+
+    def watch_optimizers(self, *optimizers: Optimizer) -> None:
+        """Count and record the steps of these optimizers, the ones ``fabric.setup`` returned.
+
+        For a loop with several optimizers, after the ``fabric.setup`` that watched the model
+        and before the first step, on every process: a step then ends once each of them has
+        stepped, instead of at each step of the first one found.
+
+        Raises:
+            ConfigurationError: Nothing is watched yet, or an argument is not an optimizer.
+        """
+        checked = check_optimizers(list(optimizers))
+        if not self._watching:
+            raise ConfigurationError("watch_optimizers() needs a watched model: fabric.setup first")
+        if self._clock is not None:
+            self._clock.follow(checked)
 
     def finish(self) -> None:
         """Remove every hook and finalize the run directory. Safe to call again."""
@@ -168,7 +223,12 @@ class FabricTelemetry(TelemetryOptions):
             self._begin()
 
     def _inject(
-        self, model: nn.Module, fabric: Fabric, folder: RunFolder | None, run_id: str
+        self,
+        model: nn.Module,
+        fabric: Fabric,
+        folder: RunFolder | None,
+        run_id: str,
+        optimizers: Sequence[Optimizer],
     ) -> None:
         targets = logger_targets(fabric.loggers) if self.routes(main=fabric.is_global_zero) else []
         tensorboard = not (self.log_to_loggers and has_tensorboard(fabric.loggers))
@@ -181,7 +241,12 @@ class FabricTelemetry(TelemetryOptions):
         )
         scaler = getattr(fabric.strategy.precision, "scaler", None)
         self._observer.set_gradient_scale(self.gradient_scale(scaler, fabric.device))
-        self._clock = OptimizerClock(model, self._on_optimizer_step)
+        self._clock = OptimizerClock(
+            model,
+            self._on_optimizer_step,
+            on_optimizer=self._observer.watch_optimizer,
+            optimizers=optimizers,
+        )
         self._begin()
 
     def _on_optimizer_step(self) -> None:

@@ -50,6 +50,12 @@ class TelemetryCallback(TrainerCallback, TelemetryOptions):
     ``control.should_training_stop``) and the following steps are sampled densely. Under
     ``fp16`` the gradients are recorded divided by the loss scale (``unscale_gradients``).
 
+    Optimizers: the Trainer's optimizer (the ``optimizer`` its callback events pass; the torch
+    optimizer inside Accelerate's wrapper) is watched when training starts, so each optimizer
+    step of a sampled step is also recorded (the optimizer step signals: parameters, the
+    gradients the optimizer uses, updates, optimizer state) under the same ``global_step`` as
+    that step's samples and the Trainer's ``train/loss``.
+
     Hooks are placed on the model when training starts and removed when it ends, which
     finalizes the run directory. The Trainer has no hook for an exception: the hooks then stay
     until the next ``train()`` and the run directory is finalized when the process ends.
@@ -58,7 +64,11 @@ class TelemetryCallback(TrainerCallback, TelemetryOptions):
         The keys of ``TelemetryOptions``, on the main process, into the integrations that
         ``report_to`` enabled: histograms and scalars to TensorBoard (the
         ``TensorBoardCallback``'s writer) and W&B (the run, with ``train/global_step``),
-        scalars to the other integrations (their ``on_log``). The run directory holds no
+        scalars to the other integrations (their ``on_log``). The optimizer step's keys (the
+        focus layers' ``…/parameter_gradient/<parameter>/rms`` and
+        ``…/update/<parameter>/update_to_weight``, ``<prefix>/model/parameter_gradient/l2_norm``,
+        ``…/nonfinite_count``, ``…/zero_count`` and ``<prefix>/model/update/l2_norm``) are at the
+        same step. The run directory holds no
         ``tensorboard/`` when TensorBoard receives the routing.
 
     Runs and folders:
@@ -110,8 +120,11 @@ class TelemetryCallback(TrainerCallback, TelemetryOptions):
         self._run_directory = folder.path if folder is not None else None
         if self.observes(main=main):
             observer = self._inject(args, model, folder, run_id, routes=self.routes(main=main))
-            scaler = getattr(kwargs.get("optimizer"), "scaler", None)  # Accelerate's fp16 scaler
+            optimizer = kwargs.get("optimizer")
+            scaler = getattr(optimizer, "scaler", None)  # Accelerate's fp16 scaler
             observer.set_gradient_scale(self.gradient_scale(scaler, args.device))
+            if optimizer is not None:
+                observer.watch_optimizer(optimizer)
         if folder is not None and main:
             log.info("TelemetryCallback: run %s, run directory %s", run_id, folder.path)
         if self.rank_policy == "all" and dist.is_available() and dist.is_initialized():

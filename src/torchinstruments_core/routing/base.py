@@ -9,7 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from torchinstruments_core._exceptions import raise_collected
-from torchinstruments_core._signals import RecordKind, tensor_root_of
+from torchinstruments_core._signals import (
+    ALL_PARAMETERS,
+    MODEL_KEY,
+    MODEL_LAYER,
+    RecordKind,
+    tensor_root_of,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -56,7 +62,8 @@ def tensor_key(layer: str, call_index: int, signal: str, tensor_path: str) -> st
     """``<layer>/<signal>``, plus ``/call_<k>`` and ``/<tensor_path>`` where not the default.
 
     The default path is the signal's whole tensor (its ``tensor_root``: ``output`` for
-    ``output`` and ``output_gradient``); a parameter's signal always names the parameter.
+    ``output`` and ``output_gradient``); a parameter's signal always names the parameter. A step
+    record's whole-model rows (layer ``<model>``, every parameter ``*``) are ``model/<signal>``.
 
     Example:
         >>> tensor_key("encoder.0", 0, "output", "output")
@@ -65,13 +72,28 @@ def tensor_key(layer: str, call_index: int, signal: str, tensor_path: str) -> st
         'attn/output_gradient/call_1/output.0'
         >>> tensor_key("encoder.0", 0, "parameter", "weight")
         'encoder.0/parameter/weight'
+        >>> tensor_key("<model>", 0, "update", "*")
+        'model/update'
     """
+    if layer == MODEL_LAYER and tensor_path == ALL_PARAMETERS:
+        return f"{MODEL_KEY}/{signal}"
     key = f"{layer}/{signal}"
     if call_index:
         key += f"/call_{call_index}"
     if tensor_path != tensor_root_of(signal):
         key += f"/{tensor_path}"
     return key
+
+
+def summary_keys(prefix: str, kind: RecordKind) -> tuple[str, str]:
+    """The keys of a record's two summaries (see ``summary_scalars``).
+
+    Example:
+        >>> summary_keys("telemetry", RecordKind.STEP)
+        ('telemetry/step/nonfinite_tensors', 'telemetry/step/collection_duration_ms')
+    """
+    scope = prefix if kind is RecordKind.FORWARD else f"{prefix}/{kind}"
+    return f"{scope}/nonfinite_tensors", f"{scope}/collection_duration_ms"
 
 
 def summary_scalars(record: SampleRecord, prefix: str) -> dict[str, float]:
@@ -87,9 +109,6 @@ def summary_scalars(record: SampleRecord, prefix: str) -> dict[str, float]:
         >>> summary_scalars(record, "telemetry")
         {'telemetry/step/nonfinite_tensors': 0.0, 'telemetry/step/collection_duration_ms': 1.5}
     """
-    scope = prefix if record.kind is RecordKind.FORWARD else f"{prefix}/{record.kind}"
+    nonfinite_key, duration_key = summary_keys(prefix, record.kind)
     nonfinite = sum(1 for r in record.rows if r.metric == "nonfinite_fraction" and r.value)
-    return {
-        f"{scope}/nonfinite_tensors": float(nonfinite),
-        f"{scope}/collection_duration_ms": record.collection_duration_ms,
-    }
+    return {nonfinite_key: float(nonfinite), duration_key: record.collection_duration_ms}

@@ -6,19 +6,30 @@ focus tensor is ``<prefix>/<layer>/<signal>/histogram``. Two summaries per sampl
 ``<prefix>/nonfinite_tensors`` (how many observed tensors held NaN or Inf, over all layers) and
 ``<prefix>/collection_duration_ms``. The step is the trainer's step, else the sample id.
 
-A step record (the rows of an optimizer step) goes the same way: its rows' keys name the
-parameter (``<prefix>/<layer>/parameter/weight/rms``) and its summaries are
-``<prefix>/step/nonfinite_tensors`` and ``<prefix>/step/collection_duration_ms``.
+A step record (the rows of an optimizer step) goes the same way, with the metrics its signals'
+definitions name (``SignalSpec.routed_metrics``, ``SignalSpec.model_metrics``) rather than
+``scalar_metrics``: its rows' keys name the parameter
+(``<prefix>/<layer>/parameter_gradient/weight/rms``,
+``<prefix>/<layer>/update/weight/update_to_weight``), its whole-model rows are
+``<prefix>/model/<signal>/<metric>`` (``<prefix>/model/parameter_gradient/l2_norm``), and its
+summaries are ``<prefix>/step/nonfinite_tensors`` and ``<prefix>/step/collection_duration_ms``.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from typing import TYPE_CHECKING
 
 from torchinstruments_core._exceptions import ConfigurationError, raise_collected
-from torchinstruments_core._signals import RecordKind, Signal, fixed_root, routed_by_default
-from torchinstruments_core.routing.base import summary_scalars, tensor_key
+from torchinstruments_core._signals import (
+    ALL_PARAMETERS,
+    MODEL_LAYER,
+    RecordKind,
+    Signal,
+    routed_by_default,
+)
+from torchinstruments_core.routing.base import summary_keys, summary_scalars, tensor_key
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -36,12 +47,14 @@ class LoggerRouter:
         targets: Where to write (see ``routing.targets``), or a function returning them, called
             at each write, for a trainer whose loggers appear or close while the model is observed.
         prefix: First part of every key.
-        scalar_metrics: Metrics logged as scalars.
+        scalar_metrics: Metrics logged as scalars, for the signals whose definition names none
+            of its own (the forward ones; a step record's ``parameter_gradient`` routes ``rms``
+            and its ``update`` ``update_to_weight``, see ``SignalSpec.routed_metrics``).
         scalar_layers: ``"focus"`` (default: the histogram layers, at most 8), ``"all"``, or glob
             patterns of layer names.
         histograms: Also log the focus layers' histograms (to targets that take them).
         signals: Names of the signals routed (default: those whose definition in ``Signal``
-            says routed, today all of them).
+            says routed: ``output``, ``output_gradient``, ``parameter_gradient``, ``update``).
     """
 
     def __init__(
@@ -66,6 +79,8 @@ class LoggerRouter:
         self.scalar_layers = scalar_layers
         self.histograms = histograms
         self.signals = _signals(signals)
+        self._layer_metrics = {s: _layer_metrics(s, self.scalar_metrics) for s in self.signals}
+        self._model_metrics = {s: frozenset(s.spec.model_metrics) for s in self.signals}
         self._layers: frozenset[str] = frozenset()
 
     def open(self, run: RunInfo) -> None:
@@ -106,29 +121,48 @@ class LoggerRouter:
         """Nothing to do: the targets belong to the trainer, which closes them."""
 
     def scalar_keys(self, run: RunInfo) -> list[str]:
-        """The scalar keys a sample's first call of every module's whole tensor produces.
+        """The scalar keys routed for the first call of every module's whole tensor.
 
-        For documentation: step records, whose keys name each parameter, are not listed.
+        For documentation: a sample's keys, then a step record's (each parameter the catalog
+        names of a routed layer, then the whole-model rows).
         """
         self.open(run)
-        keys = [f"{self.prefix}/nonfinite_tensors", f"{self.prefix}/collection_duration_ms"]
-        whole = [s for s in self.signals if s.kind is RecordKind.FORWARD and s.tensor_root]
-        for layer in run.layers:
-            if layer.name in self._layers:
-                for signal in whole:
-                    key = tensor_key(layer.name, 0, signal, fixed_root(signal))
-                    keys += [
-                        f"{self.prefix}/{key}/{m}" for m in run.metrics if m in self.scalar_metrics
-                    ]
+        routed = [layer for layer in run.layers if layer.name in self._layers]
+        keys = list(summary_keys(self.prefix, RecordKind.FORWARD))
+        for layer, signal in itertools.product(routed, self._of_kind(RecordKind.FORWARD)):
+            if signal.tensor_root is not None:
+                keys += self._keys(layer.name, signal, signal.tensor_root, run.metrics)
+        keys += summary_keys(self.prefix, RecordKind.STEP)
+        for layer, signal in itertools.product(routed, self._of_kind(RecordKind.STEP)):
+            for name in layer.parameter_names:
+                keys += self._keys(layer.name, signal, name, run.metrics)
+        for signal in self._of_kind(RecordKind.STEP):
+            key = tensor_key(MODEL_LAYER, 0, signal, ALL_PARAMETERS)
+            keys += [f"{self.prefix}/{key}/{metric}" for metric in signal.spec.model_metrics]
         return keys
 
+    def _of_kind(self, kind: RecordKind) -> list[Signal]:
+        return [signal for signal in self.signals if signal.kind is kind]
+
+    def _keys(self, layer: str, signal: Signal, path: str, metrics: Sequence[str]) -> list[str]:
+        """The keys of one tensor's routed metrics, in the order of its definition or the run's."""
+        own = signal.spec.routed_metrics
+        ordered = own if own is not None else [m for m in metrics if m in self.scalar_metrics]
+        key = tensor_key(layer, 0, signal, path)
+        return [f"{self.prefix}/{key}/{metric}" for metric in ordered]
+
     def _scalars(self, sample: SampleRecord) -> dict[str, float]:
-        scalars: dict[str, float] = {}
-        for row in sample.rows:
-            routed = row.metric in self.scalar_metrics and row.layer in self._layers
-            if routed and row.value is not None and row.signal in self.signals:
-                scalars[f"{self.prefix}/{_key(row)}/{row.metric}"] = row.value
+        scalars = {
+            f"{self.prefix}/{_key(row)}/{row.metric}": row.value
+            for row in sample.rows
+            if row.value is not None and self._routes(row)
+        }
         return scalars | summary_scalars(sample, self.prefix)
+
+    def _routes(self, row: StatRow) -> bool:
+        if row.layer == MODEL_LAYER:
+            return row.metric in self._model_metrics.get(row.signal, ())
+        return row.layer in self._layers and row.metric in self._layer_metrics.get(row.signal, ())
 
     def _histograms(self, records: Sequence[HistogramRecord]) -> dict[str, HistogramRecord]:
         return {
@@ -151,6 +185,11 @@ def _signals(signals: Sequence[str] | None) -> tuple[Signal, ...]:
     if isinstance(signals, str) or any(s not in known for s in signals):
         raise ConfigurationError.invalid("signals", signals, f"a list of names among {list(known)}")
     return tuple(known[s] for s in signals)
+
+
+def _layer_metrics(signal: Signal, scalar_metrics: frozenset[str]) -> frozenset[str]:
+    own = signal.spec.routed_metrics
+    return scalar_metrics if own is None else frozenset(own)
 
 
 def _key(item: StatRow | HistogramRecord) -> str:

@@ -124,7 +124,7 @@ class RunDirectorySink:
         self._owner_pid = os.getpid()
         _open_sinks.add(self)
         if self._tensorboard_enabled:
-            self._tensorboard = TensorBoardHistograms(layout.tensorboard)
+            self._tensorboard = TensorBoardHistograms(layout.tensorboard, run)
         write_result(layout.result, run, None, status=RunStatus.RUNNING)
         write_index(layout.index, run, status=RunStatus.RUNNING)
         self._writer = ChunkWriter(
