@@ -56,6 +56,8 @@ def inject_observer(
     first_sample_id: int = 0,
     histogram_selector: SelectorFn | None = None,
     max_histogram_modules: int | None = None,
+    record_inputs: bool = False,
+    profile: bool = False,
 ) -> Observer:
     """Observe ``model``: sampled statistics of its modules' outputs and output gradients.
 
@@ -103,6 +105,17 @@ def inject_observer(
             had taken, so that ids continue.
         histogram_selector: Deprecated name of ``focus_selector`` (warns).
         max_histogram_modules: Deprecated name of ``max_focus_layers`` (warns).
+        record_inputs: Also measure each observed call's input tensors, positional and keyword
+            (signal ``input``, ``tensor_path`` ``input.0``, ``input.x``), and the gradients
+            flowing back into those that take one (``input_gradient``). Arms a forward
+            pre-hook per observed module in sampled forwards only.
+        profile: Also record each observed call's forward and backward time (signal ``time``,
+            metric ``ms``) and, on CUDA, its allocated-memory change and peak (``memory``),
+            inclusive of the modules it calls. CUDA times are events read once the sample's
+            values have reached the host: nothing waits for the device. On CUDA it resets the
+            allocator's peak statistic (``torch.cuda.reset_peak_memory_stats``) at every call
+            boundary of a sampled step, so ``torch.cuda.max_memory_allocated()`` read after a
+            sampled step covers only its end (see the README).
 
     Returns:
         The attached ``Observer``; also a context manager that removes itself. Left attached,
@@ -163,6 +176,8 @@ def inject_observer(
         capture_direct_forwards=bool(capture_direct_forwards),
         run_id=checked_run_id,
         first_sample_id=first_id,
+        record_inputs=bool(record_inputs),
+        profile=bool(profile),
     )
     observer = Observer(model, config)
     try:

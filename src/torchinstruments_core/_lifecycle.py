@@ -22,6 +22,7 @@ from torchinstruments_core._capture import Attachment
 from torchinstruments_core._delivery import DeliveryQueue
 from torchinstruments_core._failures import OBSERVE_CONSEQUENCE
 from torchinstruments_core._probe import OutputProbe
+from torchinstruments_core._profile import CallProfiler
 from torchinstruments_core._sample import Sample
 from torchinstruments_core._step_records import StepRecorder
 from torchinstruments_core._torch_private import in_backward
@@ -93,8 +94,17 @@ class SampleLifecycle:
         self._pending: dict[int, Sample] = {}  # forward done, waiting for their backward
         self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
         self._delivery = DeliveryQueue(self._lock, sink, config.run_id, gate)
-        self._probe = OutputProbe(config.measurer, failures, self._close, self._waiting)
+        self._profiler = CallProfiler() if config.profile else None
+        self._probe = OutputProbe(
+            config.measurer,
+            failures,
+            self._close,
+            self._waiting,
+            record_inputs=config.record_inputs,
+            profiler=self._profiler,
+        )
         self._steps = StepRecorder(config.measurer, failures)
+        pre_hooks = config.record_inputs or config.profile
         self.attachment = Attachment(
             model,
             config.layers,
@@ -102,11 +112,13 @@ class SampleLifecycle:
             on_exit=self.on_root_exit,
             on_output=self._on_output,
             direct=config.capture_direct_forwards,
+            on_input=self._on_input if pre_hooks else None,
         )
+        self._root_inputs = pre_hooks and self._root_layer is not None
 
     # -- the forward --------------------------------------------------------------------------
 
-    def on_root_enter(self) -> None:
+    def on_root_enter(self, args: Any = (), kwargs: Any = None) -> None:
         """A root forward starts: open a sample if the plan and the rank gate say so."""
         local = self._local
         local.depth += 1
@@ -117,6 +129,8 @@ class SampleLifecycle:
         self.training_forwards += is_grad_enabled()
         if self._gate.admits() and self._plan.samples(index):
             self._start(self._plan.step)
+            if self._root_inputs and self._root_layer is not None:
+                self._on_input(self._root_layer, args, kwargs or {})
 
     def on_root_exit(self, output: Any) -> None:
         """A root forward ends (``output`` is ``None`` if it raised): its sample's forward ends."""
@@ -167,6 +181,24 @@ class SampleLifecycle:
             self._running[sample.sample_id] = sample
         self._local.active = sample
         self.attachment.arm()
+        sample.duration_s += time.perf_counter() - started
+
+    def _on_input(self, layer: Layer, args: Any, kwargs: Any) -> None:
+        sample = self._local.active
+        if sample is None:
+            if self._pending and in_backward():
+                try:
+                    self._probe.observe_recomputed_inputs(layer, args, kwargs)
+                except Exception as error:  # inside the user's backward: never raise from here
+                    what = f"matching the recomputed inputs of {layer.name} failed"
+                    self._failures.failed(what, error, "recompute", OBSERVE_CONSEQUENCE)
+            return
+        started = time.perf_counter()
+        try:
+            self._probe.observe_inputs(sample, layer, args, kwargs)
+        except Exception as error:  # an odd input must never break the user's forward
+            what = f"observing the inputs of {layer.name} failed"
+            self._failures.failed(what, error, "observe", OBSERVE_CONSEQUENCE)
         sample.duration_s += time.perf_counter() - started
 
     def _on_output(self, layer: Layer, output: Any) -> None:
@@ -308,6 +340,9 @@ class SampleLifecycle:
             for handle in sample.handles:
                 handle.remove()
             sample.handles.clear()
+            if self._profiler is not None:
+                for profile in sample.profiles:
+                    self._profiler.forget(profile)
             finalizer = self._finalizers.pop(sample.sample_id, None)
             if finalizer is not None:
                 finalizer.detach()

@@ -26,3 +26,5 @@ class ObserverConfig:
     capture_direct_forwards: bool
     run_id: str
     first_sample_id: int = 0
+    record_inputs: bool = False
+    profile: bool = False

@@ -109,6 +109,13 @@ class TelemetryOptions:
             device, and read at the next step.
         unscale_gradients: Divide gradients by the fp16 loss scale before measuring them, so
             that they are the gradients the optimizer sees (bf16 and fp32 need no unscaling).
+        record_inputs: Also record each observed call's input tensors and their gradients
+            (signals ``input``, ``input_gradient``; to the run directory, not the loggers), as
+            ``inject_observer(record_inputs=True)``.
+        profile: Also record each observed call's forward and backward time and, on CUDA, its
+            memory (signals ``time``, ``memory``; to the run directory), as
+            ``inject_observer(profile=True)``; on CUDA it resets the allocator's peak statistic
+            in sampled steps (see the README).
         histogram_selector: Deprecated name of ``focus_selector`` (warns; ``None`` after the
             constructor).
         max_histogram_modules: Deprecated name of ``max_focus_layers`` (warns; ``None`` after
@@ -135,6 +142,8 @@ class TelemetryOptions:
     on_nonfinite: str = "warn"
     sample_after_nonfinite: int = 10
     unscale_gradients: bool = True
+    record_inputs: bool = False
+    profile: bool = False
     histogram_selector: SelectorFn | None = field(default=None, repr=False)
     max_histogram_modules: int | None = field(default=None, repr=False)
 
@@ -274,6 +283,8 @@ class TelemetryOptions:
             error_policy=self.error_policy,
             run_id=run_id,
             first_sample_id=first_sample_id,
+            record_inputs=self.record_inputs,
+            profile=self.profile,
         )
 
     def gradient_scale(

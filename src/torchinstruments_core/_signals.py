@@ -43,6 +43,8 @@ class SignalSpec:
         gradient_of: The value of the signal this one is the gradient of; ``None`` for values.
         routed: Whether ``LoggerRouter`` routes it unless told which signals to route.
         summary_label: Its short name in the columns of ``summarize_run``; ``None``: not shown.
+        paths: The fixed ``tensor_path`` values of a signal that measures a module call rather
+            than a tensor (``forward``, ``backward``); empty for the others.
     """
 
     describes: str
@@ -51,6 +53,7 @@ class SignalSpec:
     gradient_of: str | None = None
     routed: bool = True
     summary_label: str | None = None
+    paths: tuple[str, ...] = ()
 
 
 class Signal(StrEnum):
@@ -104,6 +107,29 @@ class Signal(StrEnum):
             tensor_root="input",
             gradient_of="input",
             routed=False,
+        ),
+    )
+    TIME = (
+        "time",
+        SignalSpec(
+            "Opt-in (`profile=True`): the time of a module call's forward and of its backward "
+            "(`tensor_path` `forward`, `backward`; metric `ms`), inclusive of the modules it "
+            "calls; CUDA events on a GPU, `time.perf_counter` on the CPU. The backward runs from "
+            "the gradient reaching the call's outputs to the last gradient reaching its inputs.",
+            routed=False,
+            paths=("forward", "backward"),
+        ),
+    )
+    MEMORY = (
+        "memory",
+        SignalSpec(
+            "Opt-in (`profile=True`, CUDA only): the CUDA allocator's allocated memory over a "
+            "module call's forward and its backward (`tensor_path` `forward`, `backward`), "
+            "inclusive of the modules it calls: `allocated_delta_mib` is allocated at the end "
+            "minus at the start, `peak_delta_mib` the peak within the call minus at the start, "
+            "in MiB.",
+            routed=False,
+            paths=("forward", "backward"),
         ),
     )
     PARAMETER = (
