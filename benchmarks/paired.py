@@ -2,6 +2,7 @@
 
     uv run python benchmarks/paired.py [--workload transformer] [--rounds 40] [--compile]
         [--exact-quartiles] [--sink run-directory|recording] [--device cpu|cuda]
+        [--record-inputs] [--profile]
 
 ``overhead.py`` gives every configuration a fresh process, which is right for memory and for
 comparing tools, but on a shared machine the speed of two processes can differ by 10 %, more
@@ -183,6 +184,8 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true", help="torch.compile both models; observe the compiled"
     )
+    parser.add_argument("--record-inputs", action="store_true", help="inject_observer option")
+    parser.add_argument("--profile", action="store_true", help="inject_observer option")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -207,7 +210,8 @@ def main() -> None:
             if args.sink == "recording"
             else {"output_dir": Path(folder) / "run"}
         )
-        observer = inject_observer(observed.model, reducers=reducers, **destination)
+        options = {"record_inputs": args.record_inputs, "profile": args.profile}
+        observer = inject_observer(observed.model, reducers=reducers, **destination, **options)
         times: dict[str, list[float]] = {name: [] for name in CONFIGURATIONS}
         for index in range(args.warmup + args.rounds):
             order = CONFIGURATIONS[index % 3 :] + CONFIGURATIONS[: index % 3]
@@ -231,7 +235,8 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     quartiles = "exact quartiles" if args.exact_quartiles else "default profile"
     print(f"{WORKLOADS[args.workload].description}; {args.threads} thread(s), {args.rounds} rounds")
     compiled = ", both models compiled (inductor)" if args.compile else ""
-    print(f"observed with the {quartiles}, {args.sink}{compiled}")
+    extra = "".join(f", {o}" for o in ("record_inputs", "profile") if getattr(args, o))
+    print(f"observed with the {quartiles}, {args.sink}{compiled}{extra}")
     gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     print(f"{platform.processor() or platform.machine()}{gpu}, torch {torch.__version__}\n")
     print("| configuration | median step (ms) | ratio to plain, median of rounds | IQR of ratios |")

@@ -33,16 +33,7 @@ def _same(function: Callable[..., None]) -> Callable[..., None]:
 class GradientSlot:
     """The tensor hook on one observed output: hands its gradient to the observer's sample."""
 
-    __slots__ = (
-        "_on_gradient",
-        "ends_backward",
-        "histogram",
-        "nested",
-        "profile",
-        "sample",
-        "sentinel",
-        "site",
-    )
+    __slots__ = ("_on_gradient", "boundary", "histogram", "nested", "sample", "sentinel", "site")
 
     def __init__(
         self,
@@ -60,9 +51,8 @@ class GradientSlot:
         self.nested = False
         # Held only by this hook: when autograd frees the graph, the sentinel dies with it.
         self.sentinel = sentinel
-        # profile=True: the call whose backward this gradient starts, or ends if ends_backward.
-        self.profile: CallProfile | None = None
-        self.ends_backward = False
+        # profile=True: the calls whose backward this gradient starts, or ends (True).
+        self.boundary: list[tuple[CallProfile, bool]] = []
 
     def __call__(self, grad: torch.Tensor) -> None:
         self._on_gradient(self, grad)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from torch import is_grad_enabled
@@ -193,15 +194,31 @@ class OutputProbe:
         ends: bool = False,
     ) -> None:
         """Hook ``tensor``'s gradient; with ``profile``, it starts (or ``ends``) a backward."""
-        gradient_site = None if site is None else gradient_signal_site(site)
-        # a leaf (a tensor the user made, a parameter) outlives the graph: it must not keep the
-        # sample open once autograd frees the graph (see GradientSlot.sentinel)
-        sentinel = sample.sentinel if tensor.grad_fn is not None else None
-        slot = GradientSlot(self._on_gradient, sample, gradient_site, histogram, sentinel)
-        slot.profile, slot.ends_backward = profile, ends
+        if profile is not None:
+            self._boundary(sample, tensor).append((profile, ends))
+        if site is None:
+            return
+        gradient_site = gradient_signal_site(site)
+        slot = GradientSlot(
+            self._on_gradient, sample, gradient_site, histogram, _sentinel(sample, tensor)
+        )
         sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
-        if gradient_site is not None:
-            sample.expect_gradient(gradient_site, self._measurer.metrics)
+        sample.expect_gradient(gradient_site, self._measurer.metrics)
+
+    def _boundary(self, sample: Sample, tensor: torch.Tensor) -> list[tuple[CallProfile, bool]]:
+        """The calls whose backward starts or ends when ``tensor``'s gradient arrives.
+
+        One hook per tensor, registered before the hooks that measure its gradient: it stamps
+        every such call at once, so a parent's window and its child's share their edges, and
+        the measurements come after the stamps (inside the windows they start, subtracted).
+        """
+        found = sample.boundaries.get(id(tensor))
+        if found is not None and found[0]() is tensor:
+            return found[1].boundary
+        slot = GradientSlot(self._on_gradient, sample, None, False, _sentinel(sample, tensor))
+        sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
+        sample.boundaries[id(tensor)] = (weakref.ref(tensor), slot)
+        return slot.boundary
 
     def _recomputed_sample(self, task: int) -> Sample | None:
         """The open sample whose backward (graph task ``task``) recomputes a checkpoint."""
@@ -229,31 +246,20 @@ class OutputProbe:
                 queue_callback(functools.partial(self._close, sample))
             elif sample.backward_task != task and not slot.nested:
                 return  # only the first backward that reaches a sample is recorded
-        if slot.profile is not None:
-            self._profiled_gradient(slot, grad)
-        elif slot.site is not None:
+        if slot.boundary and self._profiler is not None:
+            self._profiler.cross(slot.boundary)
+        if slot.site is not None:
             self._record_gradient(slot, grad)
         sample.duration_s += time.perf_counter() - started
 
     def _record_gradient(self, slot: GradientSlot, grad: torch.Tensor) -> None:
-        if slot.site is not None:  # None: the hook only marks the backward's start
-            measurement = self._measure(grad, slot.site, slot.histogram, slot.sample.gradient_scale)
-            slot.sample.add(slot.site, measurement)
-
-    def _profiled_gradient(self, slot: GradientSlot, grad: torch.Tensor) -> None:
-        """Record the gradient between the stamps of its call's backward (see ``_profile``)."""
-        profiler, profile = self._profiler, slot.profile
-        assert profiler is not None, "a profiled slot needs a profiler"
-        assert profile is not None, "called for profiled slots only"
-        if slot.ends_backward:  # stamped before measuring, ...
-            began = profiler.input_gradient(profile)
-            self._record_gradient(slot, grad)
-            ended = profiler.stamp(profile.device)
-        else:  # ... and after: the measurement is left out of the call's backward
-            began = profiler.stamp(profile.device)
-            self._record_gradient(slot, grad)
-            ended = profiler.output_gradient(profile)
-        slot.sample.overhead.append((began, ended))
+        assert slot.site is not None, "only slots with a site measure"
+        sample, profiler = slot.sample, self._profiler
+        began = None if profiler is None else profiler.stamp(call_device(iter((grad,)), None))
+        measurement = self._measure(grad, slot.site, slot.histogram, sample.gradient_scale)
+        sample.add(slot.site, measurement)
+        if profiler is not None and began is not None:  # the observer's work, left out
+            sample.overhead.append((began, profiler.stamp(call_device(iter((grad,)), None))))
 
     def _measure(
         self,
@@ -280,3 +286,12 @@ def measure_site(
         key = f"reducer:{type(error).__name__}"
         failures.failed(f"a reducer failed on {where}", error, key, REDUCER_CONSEQUENCE)
     return measurement
+
+
+def _sentinel(sample: Sample, tensor: torch.Tensor) -> object:
+    """What a hook on ``tensor`` holds: the sample's sentinel, except on a leaf.
+
+    A leaf (a tensor the user made, a parameter) outlives the graph: it must not keep the
+    sample open once autograd frees the graph (see ``GradientSlot.sentinel``).
+    """
+    return sample.sentinel if tensor.grad_fn is not None else None

@@ -172,26 +172,36 @@ class CallProfiler:
             self._tracker(profile.device).read(profile.forward_memory, close=True)
         return end
 
-    def output_gradient(self, profile: CallProfile) -> Stamp:
+    def cross(self, boundary: list[tuple[CallProfile, bool]]) -> None:
+        """A gradient reached a tensor: the backward of each ``(call, ends)`` ends or starts.
+
+        One stamp for all of them; the ends are read before the starts open.
+        """
+        now = self.stamp(boundary[0][0].device)
+        for profile, ends in boundary:
+            if ends:
+                self._input_gradient(profile, now)
+        for profile, ends in boundary:
+            if not ends:
+                self._output_gradient(profile, now)
+
+    def _output_gradient(self, profile: CallProfile, now: Stamp) -> None:
         """A gradient reached one of the call's outputs: the first one starts its backward."""
         if profile.backward:
-            return self.stamp(profile.device)
+            return
         if profile.device is not None:
             profile.backward_memory = self._tracker(profile.device).open()
-        profile.backward.append(self.stamp(profile.device))
-        return profile.backward[0]
+        profile.backward.append(now)
 
-    def input_gradient(self, profile: CallProfile) -> Stamp:
+    def _input_gradient(self, profile: CallProfile, now: Stamp) -> None:
         """A gradient reached one of the call's inputs: the last one ends its backward."""
-        now = self.stamp(profile.device)
         if not profile.backward:
-            return now  # no output of the call took a gradient: its backward has no start
+            return  # no output of the call took a gradient: its backward has no start
         profile.backward.append(now)
         profile.inputs_arrived += 1
         if profile.backward_memory is not None and profile.device is not None:
             done = profile.inputs_arrived >= profile.inputs_expected
             self._tracker(profile.device).read(profile.backward_memory, close=done)
-        return now
 
     def forget(self, profile: CallProfile) -> None:
         """Stop tracking the call's memory (its sample closed)."""
@@ -208,12 +218,14 @@ class CallProfiler:
         return tracker
 
 
-def call_device(tensors: Iterator[torch.Tensor], module: torch.nn.Module) -> torch.device | None:
+def call_device(
+    tensors: Iterator[torch.Tensor], module: torch.nn.Module | None
+) -> torch.device | None:
     """The CUDA device a call runs on (its first input tensor's, else its first parameter's).
 
     ``None`` for a call on another device: it is timed with ``perf_counter``, without memory.
     """
     device = next((t.device for t in tensors), None)
-    if device is None:
+    if device is None and module is not None:
         device = next((p.device for p in module.parameters()), None)
     return device if device is not None and device.type == "cuda" else None

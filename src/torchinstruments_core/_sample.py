@@ -28,11 +28,13 @@ from torchinstruments_core._transfer import HostTransfer
 from torchinstruments_core.reducers.functional import split_histogram
 
 if TYPE_CHECKING:
+    import weakref
     from collections.abc import Iterator
 
     import torch
     from torch.utils.hooks import RemovableHandle
 
+    from torchinstruments_core._capture import GradientSlot
     from torchinstruments_core._measure import Measurement
     from torchinstruments_core._profile import CallProfile, Stamp
 
@@ -84,6 +86,8 @@ class Sample:
         # the call index their pre-hook took (see ``open_call``)
         self.profiles: list[CallProfile] = []
         self.overhead: list[tuple[Stamp, Stamp]] = []  # the observer's own work, stamped
+        # the hook stamping each tensor's crossing calls, by id (checked against the weakref)
+        self.boundaries: dict[int, tuple[weakref.ref[torch.Tensor], GradientSlot]] = {}
         self._open_calls: dict[str, list[tuple[int, CallProfile | None]]] = {}
         # Held while the forward runs; afterwards only the gradient hooks hold it (see Observer).
         self.sentinel: object | None = None
