@@ -28,7 +28,7 @@ from torchinstruments_core._step_records import StepRecorder
 from torchinstruments_core._torch_private import in_backward
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from torch import nn
 
@@ -184,39 +184,39 @@ class SampleLifecycle:
         sample.duration_s += time.perf_counter() - started
 
     def _on_input(self, layer: Layer, args: Any, kwargs: Any) -> None:
-        sample = self._local.active
-        if sample is None:
-            if self._pending and in_backward():
-                try:
-                    self._probe.observe_recomputed_inputs(layer, args, kwargs)
-                except Exception as error:  # inside the user's backward: never raise from here
-                    what = f"matching the recomputed inputs of {layer.name} failed"
-                    self._failures.failed(what, error, "recompute", OBSERVE_CONSEQUENCE)
-            return
-        started = time.perf_counter()
-        try:
-            self._probe.observe_inputs(sample, layer, args, kwargs)
-        except Exception as error:  # an odd input must never break the user's forward
-            what = f"observing the inputs of {layer.name} failed"
-            self._failures.failed(what, error, "observe", OBSERVE_CONSEQUENCE)
-        sample.duration_s += time.perf_counter() - started
+        probe = self._probe
+        self._observe(
+            layer, "inputs", probe.observe_inputs, probe.observe_recomputed_inputs, args, kwargs
+        )
 
     def _on_output(self, layer: Layer, output: Any) -> None:
+        probe = self._probe
+        self._observe(layer, "output", probe.observe, probe.observe_recomputed, output)
+
+    def _observe(
+        self,
+        layer: Layer,
+        what: str,
+        in_sample: Callable[..., None],
+        recomputed: Callable[..., None],
+        *values: Any,
+    ) -> None:
+        """Hand a layer's inputs or output to the probe; a failure is reported, never raised."""
         sample = self._local.active
         if sample is None:
             if self._pending and in_backward():
                 try:
-                    self._probe.observe_recomputed(layer, output)
+                    recomputed(layer, *values)
                 except Exception as error:  # inside the user's backward: never raise from here
-                    what = f"matching the recomputed output of {layer.name} failed"
-                    self._failures.failed(what, error, "recompute", OBSERVE_CONSEQUENCE)
+                    message = f"matching the recomputed {what} of {layer.name} failed"
+                    self._failures.failed(message, error, "recompute", OBSERVE_CONSEQUENCE)
             return
         started = time.perf_counter()
         try:
-            self._probe.observe(sample, layer, output)
-        except Exception as error:  # an odd output must never break the user's forward
-            what = f"observing the output of {layer.name} failed"
-            self._failures.failed(what, error, "observe", OBSERVE_CONSEQUENCE)
+            in_sample(sample, layer, *values)
+        except Exception as error:  # an odd tensor must never break the user's forward
+            message = f"observing the {what} of {layer.name} failed"
+            self._failures.failed(message, error, "observe", OBSERVE_CONSEQUENCE)
         sample.duration_s += time.perf_counter() - started
 
     def _end_forward(self, *, failed: bool) -> None:
