@@ -186,12 +186,12 @@ class SampleLifecycle:
     def _on_input(self, layer: Layer, args: Any, kwargs: Any) -> None:
         probe = self._probe
         self._observe(
-            layer, "inputs", probe.observe_inputs, probe.observe_recomputed_inputs, args, kwargs
+            layer, "the inputs", probe.observe_inputs, probe.observe_recomputed_inputs, args, kwargs
         )
 
     def _on_output(self, layer: Layer, output: Any) -> None:
         probe = self._probe
-        self._observe(layer, "output", probe.observe, probe.observe_recomputed, output)
+        self._observe(layer, "the output", probe.observe, probe.observe_recomputed, output)
 
     def _observe(
         self,
@@ -208,14 +208,14 @@ class SampleLifecycle:
                 try:
                     recomputed(layer, *values)
                 except Exception as error:  # inside the user's backward: never raise from here
-                    message = f"matching the recomputed {what} of {layer.name} failed"
+                    message = f"matching {what} of {layer.name} in a recomputation failed"
                     self._failures.failed(message, error, "recompute", OBSERVE_CONSEQUENCE)
             return
         started = time.perf_counter()
         try:
             in_sample(sample, layer, *values)
         except Exception as error:  # an odd tensor must never break the user's forward
-            message = f"observing the {what} of {layer.name} failed"
+            message = f"observing {what} of {layer.name} failed"
             self._failures.failed(message, error, "observe", OBSERVE_CONSEQUENCE)
         sample.duration_s += time.perf_counter() - started
 

@@ -255,11 +255,15 @@ class OutputProbe:
     def _record_gradient(self, slot: GradientSlot, grad: torch.Tensor) -> None:
         assert slot.site is not None, "only slots with a site measure"
         sample, profiler = slot.sample, self._profiler
-        began = None if profiler is None else profiler.stamp(call_device(iter((grad,)), None))
+        if profiler is None:
+            measurement = self._measure(grad, slot.site, slot.histogram, sample.gradient_scale)
+            sample.add(slot.site, measurement)
+            return
+        device = call_device(iter((grad,)), None)
+        began = profiler.stamp(device)  # the observer's work: left out of every call's time
         measurement = self._measure(grad, slot.site, slot.histogram, sample.gradient_scale)
         sample.add(slot.site, measurement)
-        if profiler is not None and began is not None:  # the observer's work, left out
-            sample.overhead.append((began, profiler.stamp(call_device(iter((grad,)), None))))
+        sample.overhead.append((began, profiler.stamp(device)))
 
     def _measure(
         self,
