@@ -2,6 +2,7 @@
 
     uv run python benchmarks/paired.py [--workload transformer] [--rounds 40] [--compile]
         [--exact-quartiles] [--sink run-directory|recording] [--device cpu|cuda] [--optimizer]
+        [--record-inputs] [--profile]
 
 ``overhead.py`` gives every configuration a fresh process, which is right for memory and for
 comparing tools, but on a shared machine the speed of two processes can differ by 10 %, more
@@ -189,6 +190,8 @@ def main() -> None:
     parser.add_argument(
         "--optimizer", action="store_true", help="also record the optimizer step signals"
     )
+    parser.add_argument("--record-inputs", action="store_true", help="inject_observer option")
+    parser.add_argument("--profile", action="store_true", help="inject_observer option")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -214,8 +217,9 @@ def main() -> None:
             else {"output_dir": Path(folder) / "run"}
         )
         optimizer = observed.optimizer if args.optimizer else None
+        options = {"record_inputs": args.record_inputs, "profile": args.profile}
         observer = inject_observer(
-            observed.model, reducers=reducers, optimizer=optimizer, **destination
+            observed.model, reducers=reducers, optimizer=optimizer, **destination, **options
         )
         times: dict[str, list[float]] = {name: [] for name in CONFIGURATIONS}
         for index in range(args.warmup + args.rounds):
@@ -240,8 +244,8 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     quartiles = "exact quartiles" if args.exact_quartiles else "default profile"
     print(f"{WORKLOADS[args.workload].description}; {args.threads} thread(s), {args.rounds} rounds")
     compiled = ", both models compiled (inductor)" if args.compile else ""
-    steps = ", optimizer step signals" if args.optimizer else ""
-    print(f"observed with the {quartiles}, {args.sink}{compiled}{steps}")
+    extra = "".join(f", {o}" for o in ("optimizer", "record_inputs", "profile") if getattr(args, o))
+    print(f"observed with the {quartiles}, {args.sink}{compiled}{extra}")
     gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     print(f"{platform.processor() or platform.machine()}{gpu}, torch {torch.__version__}\n")
     print("| configuration | median step (ms) | ratio to plain, median of rounds | IQR of ratios |")

@@ -169,6 +169,8 @@ def test_index_md_lists_every_signal_with_its_kind_and_root() -> None:
         assert f"| {signal.kind} |" in row
         assert signal.describes in row
         root = f"`{signal.tensor_root}`" if signal.tensor_root else "the parameter's name"
+        if signal.spec.paths:  # time and memory: fixed paths, not a tensor's
+            root = ", ".join(f"`{path}`" for path in signal.spec.paths)
         assert root in row
     schema_row = next(line for line in index.splitlines() if line.startswith("| `signal` |"))
     assert all(f"`{signal}`" in schema_row for signal in Signal)

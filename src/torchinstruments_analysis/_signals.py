@@ -31,6 +31,12 @@ INPUT = "input"
 INPUT_GRADIENT = "input_gradient"
 """The gradient flowing back into a module's inputs."""
 
+TIME = "time"
+"""A module call's forward and backward time (opt-in ``profile=True``)."""
+
+MEMORY = "memory"
+"""A module call's CUDA allocated-memory change and peak (opt-in ``profile=True``)."""
+
 MODEL_LAYER = "<model>"
 """The ``layer`` of the whole-model rows of a step record (global norms)."""
 

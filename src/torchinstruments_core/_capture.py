@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
     from torchinstruments_core._layers import Layer
+    from torchinstruments_core._profile import CallProfile
 
 
 def _same(function: Callable[..., None]) -> Callable[..., None]:
@@ -32,7 +33,7 @@ def _same(function: Callable[..., None]) -> Callable[..., None]:
 class GradientSlot:
     """The tensor hook on one observed output: hands its gradient to the observer's sample."""
 
-    __slots__ = ("_on_gradient", "histogram", "nested", "sample", "sentinel", "site")
+    __slots__ = ("_on_gradient", "boundary", "histogram", "nested", "sample", "sentinel", "site")
 
     def __init__(
         self,
@@ -50,6 +51,8 @@ class GradientSlot:
         self.nested = False
         # Held only by this hook: when autograd frees the graph, the sentinel dies with it.
         self.sentinel = sentinel
+        # profile=True: the calls whose backward this gradient starts, or ends (True).
+        self.boundary: list[tuple[CallProfile, bool]] = []
 
     def __call__(self, grad: torch.Tensor) -> None:
         self._on_gradient(self, grad)
@@ -64,11 +67,14 @@ class Attachment:
     Args:
         model: The observed root module.
         layers: The observed modules.
-        on_enter: Called when a root forward starts.
+        on_enter: Called with the root's positional and keyword arguments when a root forward
+            starts.
         on_exit: Called with the root output (``None`` if the forward raised) when it ends.
         on_output: Called with a layer and its output during a sampled forward.
         direct: Patch ``forward`` instead of using module hooks, so that direct
             ``module.forward(x)`` calls are observed too.
+        on_input: Called with a layer, its positional and its keyword arguments when a call
+            starts in a sampled forward (a forward pre-hook); ``None``: no pre-hook is armed.
     """
 
     def __init__(
@@ -76,10 +82,11 @@ class Attachment:
         model: nn.Module,
         layers: list[Layer],
         *,
-        on_enter: Callable[[], None],
+        on_enter: Callable[[Any, Any], None],
         on_exit: Callable[[Any], None],
         on_output: Callable[[Layer, Any], None],
         direct: bool,
+        on_input: Callable[[Layer, Any, Any], None] | None = None,
     ) -> None:
         self._model: nn.Module | None = model
         self._layers = [layer for layer in layers if layer.module is not model]
@@ -89,6 +96,7 @@ class Attachment:
         self._on_enter = wrap(on_enter)
         self._on_exit = wrap(on_exit)
         self._on_output = wrap(on_output)
+        self._on_input = None if on_input is None else wrap(on_input)
         self._direct = direct
         self._handles: list[RemovableHandle] = []
         self._armed: list[RemovableHandle] = []
@@ -97,6 +105,9 @@ class Attachment:
         self._restore_stance: Callable[[], None] = inert_hook  # set by arm()
         self._layer_hooks = [
             Hook(functools.partial(self._layer_hook, layer)) for layer in self._layers
+        ]
+        self._pre_hooks = [
+            Hook(functools.partial(self._layer_pre_hook, layer)) for layer in self._layers
         ]
 
     def attach(self) -> None:
@@ -114,9 +125,9 @@ class Attachment:
 
     def _attach_root_hooks(self) -> None:
         assert self._model is not None, "attach after detach"
-        enter = Hook(lambda _module, _args: self._on_enter())
+        enter = Hook(lambda _module, args, kwargs: self._on_enter(args, kwargs))
         exit_ = Hook(lambda _module, _args, output: self._on_exit(output))
-        self._handles.append(self._model.register_forward_pre_hook(enter))
+        self._handles.append(self._model.register_forward_pre_hook(enter, with_kwargs=True))
         # always_call: the scope closes even when the forward raises.
         self._handles.append(self._model.register_forward_hook(exit_, always_call=True))
 
@@ -138,6 +149,7 @@ class Attachment:
         self._model = None
         self._layers = []
         self._layer_hooks = []
+        self._pre_hooks = []
 
     def arm(self) -> None:
         """Register the per-module hooks for the sampled forward that starts now.
@@ -153,6 +165,10 @@ class Attachment:
             return
         for layer, hook in zip(self._layers, self._layer_hooks, strict=True):
             self._armed.append(layer.module.register_forward_hook(hook))
+        if self._on_input is not None:
+            for layer, pre_hook in zip(self._layers, self._pre_hooks, strict=True):
+                module = layer.module
+                self._armed.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
     def disarm(self) -> None:
         """Remove the per-module hooks; the next unsampled forward runs none."""
@@ -170,6 +186,10 @@ class Attachment:
     def _layer_hook(self, layer: Layer, _module: nn.Module, _args: Any, output: Any) -> None:
         self._on_output(layer, output)
 
+    def _layer_pre_hook(self, layer: Layer, _module: nn.Module, args: Any, kwargs: Any) -> None:
+        assert self._on_input is not None, "pre-hooks are armed only with on_input"
+        self._on_input(layer, args, kwargs)
+
     def _patch(self, module: nn.Module, observe: Callable[..., Any]) -> None:
         replaced = "forward" in module.__dict__
         patch = ForwardPatch(module.forward, observe, replaced_instance_attribute=replaced)
@@ -177,7 +197,7 @@ class Attachment:
         self._patched.append((module, patch))
 
     def _root_forward(self, original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        self._on_enter()
+        self._on_enter(args, kwargs)
         output = None
         try:
             output = original(*args, **kwargs)
@@ -188,6 +208,8 @@ class Attachment:
     def _layer_forward(
         self, layer: Layer, original: Callable[..., Any], args: Any, kwargs: Any
     ) -> Any:
+        if self.armed and self._on_input is not None:
+            self._on_input(layer, args, kwargs)
         output = original(*args, **kwargs)
         if self.armed:
             self._on_output(layer, output)

@@ -65,6 +65,8 @@ def inject_observer(
     max_histogram_modules: int | None = None,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     step_signals: Sequence[str] = DEFAULT_STEP_SIGNALS,
+    record_inputs: bool = False,
+    profile: bool = False,
 ) -> Observer:
     """Observe ``model``: sampled statistics of its modules' outputs and output gradients.
 
@@ -120,6 +122,17 @@ def inject_observer(
             ``"parameter"``, ``"parameter_gradient"``, ``"update"``, ``"optimizer_state"``).
             Leave out ``"update"`` to save its memory: one copy of the observed parameters,
             held during a recorded optimizer step only.
+        record_inputs: Also measure each observed call's input tensors, positional and keyword
+            (signal ``input``, ``tensor_path`` ``input.0``, ``input.x``), and the gradients
+            flowing back into those that take one (``input_gradient``). Arms a forward
+            pre-hook per observed module in sampled forwards only.
+        profile: Also record each observed call's forward and backward time (signal ``time``,
+            metric ``ms``) and, on CUDA, its allocated-memory change and peak (``memory``),
+            inclusive of the modules it calls. CUDA times are events read once the sample's
+            values have reached the host: nothing waits for the device. On CUDA it resets the
+            allocator's peak statistic (``torch.cuda.reset_peak_memory_stats``) at every call
+            boundary of a sampled step, so ``torch.cuda.max_memory_allocated()`` read after a
+            sampled step covers only its end (see the README).
 
     Returns:
         The attached ``Observer``; also a context manager that removes itself. Left attached,
@@ -183,6 +196,8 @@ def inject_observer(
         run_id=checked_run_id,
         first_sample_id=first_id,
         step_signals=signals,
+        record_inputs=bool(record_inputs),
+        profile=bool(profile),
     )
     observer = Observer(model, config)
     try:

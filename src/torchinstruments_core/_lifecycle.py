@@ -22,6 +22,7 @@ from torchinstruments_core._capture import Attachment
 from torchinstruments_core._delivery import DeliveryQueue
 from torchinstruments_core._failures import OBSERVE_CONSEQUENCE
 from torchinstruments_core._probe import OutputProbe
+from torchinstruments_core._profile import CallProfiler
 from torchinstruments_core._sample import Sample
 from torchinstruments_core._step_records import StepRecorder
 from torchinstruments_core._torch_private import in_backward
@@ -97,10 +98,19 @@ class SampleLifecycle:
         self._pending: dict[int, Sample] = {}  # forward done, waiting for their backward
         self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
         self._delivery = DeliveryQueue(self._lock, sink, config.run_id, gate)
-        self._probe = OutputProbe(config.measurer, failures, self._close, self._waiting)
+        self._profiler = CallProfiler() if config.profile else None
+        self._probe = OutputProbe(
+            config.measurer,
+            failures,
+            self._close,
+            self._waiting,
+            record_inputs=config.record_inputs,
+            profiler=self._profiler,
+        )
         self._steps = StepRecorder(config.measurer, failures)
         # Told of each sample opened with gradients enabled (its optimizer step may be recorded).
         self.on_training_sample: Callable[[int | None], None] = _ignore
+        pre_hooks = config.record_inputs or config.profile
         self.attachment = Attachment(
             model,
             config.layers,
@@ -108,11 +118,13 @@ class SampleLifecycle:
             on_exit=self.on_root_exit,
             on_output=self._on_output,
             direct=config.capture_direct_forwards,
+            on_input=self._on_input if pre_hooks else None,
         )
+        self._root_inputs = pre_hooks and self._root_layer is not None
 
     # -- the forward --------------------------------------------------------------------------
 
-    def on_root_enter(self) -> None:
+    def on_root_enter(self, args: Any = (), kwargs: Any = None) -> None:
         """A root forward starts: open a sample if the plan and the rank gate say so."""
         local = self._local
         local.depth += 1
@@ -123,6 +135,8 @@ class SampleLifecycle:
         self.training_forwards += is_grad_enabled()
         if self._gate.admits() and self._plan.samples(index):
             self._start(self._plan.step)
+            if self._root_inputs and self._root_layer is not None:
+                self._on_input(self._root_layer, args, kwargs or {})
 
     def on_root_exit(self, output: Any) -> None:
         """A root forward ends (``output`` is ``None`` if it raised): its sample's forward ends."""
@@ -177,22 +191,40 @@ class SampleLifecycle:
             self.on_training_sample(step)
         sample.duration_s += time.perf_counter() - started
 
+    def _on_input(self, layer: Layer, args: Any, kwargs: Any) -> None:
+        probe = self._probe
+        self._observe(
+            layer, "the inputs", probe.observe_inputs, probe.observe_recomputed_inputs, args, kwargs
+        )
+
     def _on_output(self, layer: Layer, output: Any) -> None:
+        probe = self._probe
+        self._observe(layer, "the output", probe.observe, probe.observe_recomputed, output)
+
+    def _observe(
+        self,
+        layer: Layer,
+        what: str,
+        in_sample: Callable[..., None],
+        recomputed: Callable[..., None],
+        *values: Any,
+    ) -> None:
+        """Hand a layer's inputs or output to the probe; a failure is reported, never raised."""
         sample = self._local.active
         if sample is None:
             if self._pending and in_backward():
                 try:
-                    self._probe.observe_recomputed(layer, output)
+                    recomputed(layer, *values)
                 except Exception as error:  # inside the user's backward: never raise from here
-                    what = f"matching the recomputed output of {layer.name} failed"
-                    self._failures.failed(what, error, "recompute", OBSERVE_CONSEQUENCE)
+                    message = f"matching {what} of {layer.name} in a recomputation failed"
+                    self._failures.failed(message, error, "recompute", OBSERVE_CONSEQUENCE)
             return
         started = time.perf_counter()
         try:
-            self._probe.observe(sample, layer, output)
-        except Exception as error:  # an odd output must never break the user's forward
-            what = f"observing the output of {layer.name} failed"
-            self._failures.failed(what, error, "observe", OBSERVE_CONSEQUENCE)
+            in_sample(sample, layer, *values)
+        except Exception as error:  # an odd tensor must never break the user's forward
+            message = f"observing {what} of {layer.name} failed"
+            self._failures.failed(message, error, "observe", OBSERVE_CONSEQUENCE)
         sample.duration_s += time.perf_counter() - started
 
     def _end_forward(self, *, failed: bool) -> None:
@@ -338,6 +370,9 @@ class SampleLifecycle:
             for handle in sample.handles:
                 handle.remove()
             sample.handles.clear()
+            if self._profiler is not None:
+                for profile in sample.profiles:
+                    self._profiler.forget(profile)
             finalizer = self._finalizers.pop(sample.sample_id, None)
             if finalizer is not None:
                 finalizer.detach()

@@ -31,3 +31,5 @@ class ObserverConfig:
     step_signals: frozenset[Signal] = field(
         default_factory=lambda: frozenset(signals_of(RecordKind.STEP))
     )
+    record_inputs: bool = False
+    profile: bool = False

@@ -127,6 +127,13 @@ class TelemetryOptions:
             ``"optimizer_state"``; see ``inject_observer``). Leave out ``"update"`` to save
             its memory (one copy of the observed parameters during the recorded step); an
             empty tuple records none.
+        record_inputs: Also record each observed call's input tensors and their gradients
+            (signals ``input``, ``input_gradient``; to the run directory, not the loggers), as
+            ``inject_observer(record_inputs=True)``.
+        profile: Also record each observed call's forward and backward time and, on CUDA, its
+            memory (signals ``time``, ``memory``; to the run directory), as
+            ``inject_observer(profile=True)``; on CUDA it resets the allocator's peak statistic
+            in sampled steps (see the README).
         histogram_selector: Deprecated name of ``focus_selector`` (warns; ``None`` after the
             constructor).
         max_histogram_modules: Deprecated name of ``max_focus_layers`` (warns; ``None`` after
@@ -154,6 +161,8 @@ class TelemetryOptions:
     sample_after_nonfinite: int = 10
     unscale_gradients: bool = True
     step_signals: Sequence[str] = DEFAULT_STEP_SIGNALS
+    record_inputs: bool = False
+    profile: bool = False
     histogram_selector: SelectorFn | None = field(default=None, repr=False)
     max_histogram_modules: int | None = field(default=None, repr=False)
 
@@ -307,6 +316,8 @@ class TelemetryOptions:
             first_sample_id=first_sample_id,
             optimizer=list(optimizers) or None,
             step_signals=self.step_signals,
+            record_inputs=self.record_inputs,
+            profile=self.profile,
         )
 
     def gradient_scale(

@@ -1,16 +1,19 @@
-"""Measuring a sample's outputs and matching the gradients that flow back into them.
+"""Measuring a sample's outputs and inputs and matching the gradients that flow back into them.
 
-In a sampled forward each observed output is reduced on its device and, when it can take a
-gradient, gets a tensor hook (a ``GradientSlot``) that records the gradient of the first backward
-that reaches the sample. Outputs computed without autograd inside a forward with autograd
-(reentrant activation checkpointing) get their gradients from the recomputation in the backward:
-the recomputed call is matched to the original one by ``_recompute``.
+In a sampled forward each observed output (and, with ``record_inputs``, each input tensor,
+positional and keyword) is reduced on its device and, when it can take a gradient, gets a tensor
+hook (a ``GradientSlot``) that records the gradient of the first backward that reaches the
+sample. Tensors computed without autograd inside a forward with autograd (reentrant activation
+checkpointing) get their gradients from the recomputation in the backward: the recomputed call is
+matched to the original one by ``_recompute``. With ``profile`` the same hooks mark where each
+call's forward and backward start and end (see ``_profile``).
 """
 
 from __future__ import annotations
 
 import functools
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from torch import is_grad_enabled
@@ -18,13 +21,14 @@ from torch import is_grad_enabled
 from torchinstruments_core._capture import GradientSlot, gradient_signal_site
 from torchinstruments_core._failures import REDUCER_CONSEQUENCE
 from torchinstruments_core._nested import iter_tensors
+from torchinstruments_core._profile import CallProfile, CallProfiler, call_device
 from torchinstruments_core._records import Signal
 from torchinstruments_core._sample import Sample, Site
 from torchinstruments_core._signals import fixed_root
 from torchinstruments_core._torch_private import current_graph_task_id, queue_callback
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     import torch
 
@@ -33,6 +37,12 @@ if TYPE_CHECKING:
     from torchinstruments_core._measure import Measurement, Measurer
 
 _OUTPUT_ROOT = fixed_root(Signal.OUTPUT)
+_INPUT_ROOT = fixed_root(Signal.INPUT)
+
+
+def input_tensors(args: Any, kwargs: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a call's arguments: ``input.0``, ``input.1.key``, ``input.x`` (keyword)."""
+    return [*iter_tensors(tuple(args), _INPUT_ROOT), *iter_tensors(dict(kwargs), _INPUT_ROOT)]
 
 
 class OutputProbe:
@@ -43,9 +53,11 @@ class OutputProbe:
         failures: Where a failing reducer is reported.
         close: Closes a sample; called when the first backward that reached it completes.
         waiting: The open samples whose outputs still wait for a checkpoint's recomputation.
+        record_inputs: Measure the input tensors of each call and their gradients.
+        profiler: Times each call (and reads CUDA memory) when ``profile`` is on.
     """
 
-    __slots__ = ("_close", "_failures", "_measurer", "_waiting")
+    __slots__ = ("_close", "_failures", "_measurer", "_profiler", "_waiting", "record_inputs")
 
     def __init__(
         self,
@@ -53,26 +65,76 @@ class OutputProbe:
         failures: FailureReport,
         close: Callable[[Sample], None],
         waiting: Callable[[], list[Sample]],
+        *,
+        record_inputs: bool = False,
+        profiler: CallProfiler | None = None,
     ) -> None:
         self._measurer = measurer
         self._failures = failures
         self._close = close
         self._waiting = waiting
+        self.record_inputs = record_inputs
+        self._profiler = profiler
+
+    def observe_inputs(self, sample: Sample, layer: Layer, args: Any, kwargs: Any) -> None:
+        """A call starts: measure its inputs, watch their gradients, start its profile."""
+        call_index = sample.next_call_index(layer.name)
+        tensors = input_tensors(args, kwargs)
+        profile, began = None, None
+        if self._profiler is not None:
+            device = call_device((t for _, t in tensors), layer.module)
+            profile = CallProfile(layer.name, call_index, device)
+            began = self._profiler.stamp(device)
+        sample.open_call(layer.name, call_index, profile)
+        for path, tensor in tensors:
+            site = Site(layer.name, call_index, Signal.INPUT, path) if self.record_inputs else None
+            if site is not None:
+                sample.add(site, self._measure(tensor, site, layer.histogram))
+            self._watch_input(sample, site, tensor, layer.histogram, profile)
+        if self._profiler is not None and profile is not None and began is not None:
+            # measuring the inputs is the observer's work, left out of every call's time
+            sample.overhead.append((began, self._profiler.start_forward(profile)))
 
     def observe(self, sample: Sample, layer: Layer, output: Any) -> None:
         """Measure each tensor of ``output`` and watch for the gradients flowing back into it."""
-        call_index = sample.next_call_index(layer.name)
+        call_index, profile = sample.end_call(layer.name)
+        end = None
+        if self._profiler is not None and profile is not None:
+            end = self._profiler.end_forward(profile)
         for path, tensor in iter_tensors(output, _OUTPUT_ROOT):
             site = Site(layer.name, call_index, Signal.OUTPUT, path)
             sample.add(site, self._measure(tensor, site, layer.histogram))
             if tensor.requires_grad:
-                self._watch_gradient(sample, site, tensor, layer.histogram)
+                self._watch_gradient(sample, site, tensor, layer.histogram, profile)
+                if profile is not None:
+                    profile.backward_expected = True
             elif sample.grad_enabled and tensor.is_floating_point() and not is_grad_enabled():
                 # computed without autograd inside a forward with it: reentrant checkpointing,
                 # whose recomputation in the backward carries the gradient (see _recompute)
-                gradient_site = gradient_signal_site(site)
-                sample.recompute.expect(gradient_site)
-                sample.expect_gradient(gradient_site, self._measurer.metrics)
+                self._expect_recomputed(sample, site)
+        if self._profiler is not None and profile is not None and end is not None:
+            sample.overhead.append((end, self._profiler.stamp(profile.device)))
+
+    def _watch_input(
+        self,
+        sample: Sample,
+        site: Site | None,
+        tensor: torch.Tensor,
+        histogram: bool,
+        profile: CallProfile | None,
+    ) -> None:
+        if is_grad_enabled():
+            if tensor.requires_grad and (site is not None or profile is not None):
+                self._watch_gradient(sample, site, tensor, histogram, profile, ends=True)
+                if profile is not None:
+                    profile.inputs_expected += 1
+        elif site is not None and sample.grad_enabled and tensor.is_floating_point():
+            self._expect_recomputed(sample, site)  # inside a reentrant checkpoint
+
+    def _expect_recomputed(self, sample: Sample, site: Site) -> None:
+        gradient_site = gradient_signal_site(site)
+        sample.recompute.expect(gradient_site)
+        sample.expect_gradient(gradient_site, self._measurer.metrics)
 
     def keep_until_backward(self, sample: Sample, output: Any) -> None:
         """Hold ``sample``'s graph through the root's outputs, measuring nothing there.
@@ -85,16 +147,36 @@ class OutputProbe:
                 slot = GradientSlot(self._on_gradient, sample, None, False, sample.sentinel)
                 sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
 
+    def observe_recomputed_inputs(self, layer: Layer, args: Any, kwargs: Any) -> None:
+        """Watch the gradients of the inputs of a call a checkpoint recomputes in the backward."""
+        sample = self._recomputed_sample(current_graph_task_id())
+        if sample is None:
+            return
+        call_index = sample.recompute.begin(layer.name)
+        if call_index is not None and self.record_inputs:
+            tensors = input_tensors(args, kwargs)
+            self._watch_recomputed(sample, layer, call_index, Signal.INPUT, tensors)
+
     def observe_recomputed(self, layer: Layer, output: Any) -> None:
         """Watch the gradients of an output a checkpoint recomputes in the backward."""
         sample = self._recomputed_sample(current_graph_task_id())
         if sample is None:
             return
-        call_index = sample.recompute.match(layer.name)
-        if call_index is None:
-            return
-        for path, tensor in iter_tensors(output, _OUTPUT_ROOT):
-            site = gradient_signal_site(Site(layer.name, call_index, Signal.OUTPUT, path))
+        call_index = sample.recompute.end(layer.name)
+        if call_index is not None:
+            tensors = iter_tensors(output, _OUTPUT_ROOT)
+            self._watch_recomputed(sample, layer, call_index, Signal.OUTPUT, tensors)
+
+    def _watch_recomputed(
+        self,
+        sample: Sample,
+        layer: Layer,
+        call_index: int,
+        signal: Signal,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+    ) -> None:
+        for path, tensor in tensors:
+            site = gradient_signal_site(Site(layer.name, call_index, signal, path))
             if tensor.requires_grad and sample.recompute.take(site):
                 # its gradient arrives in the checkpoint's own, nested backward
                 slot = GradientSlot(self._on_gradient, sample, site, layer.histogram, None)
@@ -102,12 +184,41 @@ class OutputProbe:
                 sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
 
     def _watch_gradient(
-        self, sample: Sample, site: Site, tensor: torch.Tensor, histogram: bool
+        self,
+        sample: Sample,
+        site: Site | None,
+        tensor: torch.Tensor,
+        histogram: bool,
+        profile: CallProfile | None = None,
+        *,
+        ends: bool = False,
     ) -> None:
+        """Hook ``tensor``'s gradient; with ``profile``, it starts (or ``ends``) a backward."""
+        if profile is not None:
+            self._boundary(sample, tensor).append((profile, ends))
+        if site is None:
+            return
         gradient_site = gradient_signal_site(site)
-        slot = GradientSlot(self._on_gradient, sample, gradient_site, histogram, sample.sentinel)
+        slot = GradientSlot(
+            self._on_gradient, sample, gradient_site, histogram, _sentinel(sample, tensor)
+        )
         sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
         sample.expect_gradient(gradient_site, self._measurer.metrics)
+
+    def _boundary(self, sample: Sample, tensor: torch.Tensor) -> list[tuple[CallProfile, bool]]:
+        """The calls whose backward starts or ends when ``tensor``'s gradient arrives.
+
+        One hook per tensor, registered before the hooks that measure its gradient: it stamps
+        every such call at once, so a parent's window and its child's share their edges, and
+        the measurements come after the stamps (inside the windows they start, subtracted).
+        """
+        found = sample.boundaries.get(id(tensor))
+        if found is not None and found[0]() is tensor:
+            return found[1].boundary
+        slot = GradientSlot(self._on_gradient, sample, None, False, _sentinel(sample, tensor))
+        sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
+        sample.boundaries[id(tensor)] = (weakref.ref(tensor), slot)
+        return slot.boundary
 
     def _recomputed_sample(self, task: int) -> Sample | None:
         """The open sample whose backward (graph task ``task``) recomputes a checkpoint."""
@@ -135,11 +246,24 @@ class OutputProbe:
                 queue_callback(functools.partial(self._close, sample))
             elif sample.backward_task != task and not slot.nested:
                 return  # only the first backward that reaches a sample is recorded
-        if slot.site is None:
-            return  # a hook that only marks the backward's start (see keep_until_backward)
+        if slot.boundary and self._profiler is not None:
+            self._profiler.cross(slot.boundary)
+        if slot.site is not None:
+            self._record_gradient(slot, grad)
+        sample.duration_s += time.perf_counter() - started
+
+    def _record_gradient(self, slot: GradientSlot, grad: torch.Tensor) -> None:
+        assert slot.site is not None, "only slots with a site measure"
+        sample, profiler = slot.sample, self._profiler
+        if profiler is None:
+            measurement = self._measure(grad, slot.site, slot.histogram, sample.gradient_scale)
+            sample.add(slot.site, measurement)
+            return
+        device = call_device(iter((grad,)), None)
+        began = profiler.stamp(device)  # the observer's work: left out of every call's time
         measurement = self._measure(grad, slot.site, slot.histogram, sample.gradient_scale)
         sample.add(slot.site, measurement)
-        sample.duration_s += time.perf_counter() - started
+        sample.overhead.append((began, profiler.stamp(device)))
 
     def _measure(
         self,
@@ -166,3 +290,12 @@ def measure_site(
         key = f"reducer:{type(error).__name__}"
         failures.failed(f"a reducer failed on {where}", error, key, REDUCER_CONSEQUENCE)
     return measurement
+
+
+def _sentinel(sample: Sample, tensor: torch.Tensor) -> object:
+    """What a hook on ``tensor`` holds: the sample's sentinel, except on a leaf.
+
+    A leaf (a tensor the user made, a parameter) outlives the graph: it must not keep the
+    sample open once autograd frees the graph (see ``GradientSlot.sentinel``).
+    """
+    return sample.sentinel if tensor.grad_fn is not None else None

@@ -1,4 +1,4 @@
-"""Gradients of outputs that reentrant activation checkpointing computes twice.
+"""Gradients of outputs (and inputs) that reentrant activation checkpointing computes twice.
 
 ``torch.utils.checkpoint(..., use_reentrant=True)`` (DeepSpeed's and older Transformers' default)
 runs the checkpointed block's forward without autograd: its modules' outputs cannot take a
@@ -6,7 +6,9 @@ gradient hook. The backward runs the block again, this time with autograd, and b
 through that recomputation. A sample notes each output it saw computed without autograd inside a
 forward that had autograd on; during the backward, the k-th recomputed call of a module is
 matched to the k-th such call of the same module in the sample (same module, same
-``call_index``), and the recomputed output's gradient is recorded under the original call.
+``call_index``), and the recomputed output's gradient is recorded under the original call. With
+``record_inputs`` the inputs computed without autograd wait and are matched the same way (the call
+is matched once, in its pre-hook, and its forward hook takes the same match).
 
 Limit: calls are matched per module in order. A module shared by several checkpointed segments
 is recomputed segment by segment in backward order, so its calls in different segments can be
@@ -24,11 +26,12 @@ if TYPE_CHECKING:
 class RecomputeLedger:
     """The outputs of one sample that wait for their recomputation, per module and call."""
 
-    __slots__ = ("_calls", "_matched", "_sites")
+    __slots__ = ("_calls", "_matched", "_open", "_sites")
 
     def __init__(self) -> None:
         self._calls: dict[str, list[int]] = {}
         self._matched: dict[str, int] = {}
+        self._open: dict[str, list[int | None]] = {}  # recomputed calls whose forward runs
         self._sites: set[Site] = set()
 
     def expect(self, gradient_site: Site) -> None:
@@ -51,6 +54,19 @@ class RecomputeLedger:
             return None
         self._matched[layer] = position + 1
         return calls[position]
+
+    def begin(self, layer: str) -> int | None:
+        """A recomputed call of ``layer`` starts (its pre-hook): match it, until ``end``."""
+        call_index = self.match(layer)
+        self._open.setdefault(layer, []).append(call_index)
+        return call_index
+
+    def end(self, layer: str) -> int | None:
+        """A recomputed call of ``layer`` ends: the call ``begin`` matched, else the next one."""
+        calls = self._open.get(layer)
+        if calls:
+            return calls.pop()
+        return self.match(layer)
 
     def take(self, gradient_site: Site) -> bool:
         """Claim ``gradient_site`` for a recomputed output; ``False`` if not waiting (any more)."""

@@ -28,12 +28,15 @@ from torchinstruments_core._transfer import HostTransfer
 from torchinstruments_core.reducers.functional import split_histogram
 
 if TYPE_CHECKING:
+    import weakref
     from collections.abc import Iterator
 
     import torch
     from torch.utils.hooks import RemovableHandle
 
+    from torchinstruments_core._capture import GradientSlot
     from torchinstruments_core._measure import Measurement
+    from torchinstruments_core._profile import CallProfile, Stamp
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +83,13 @@ class Sample:
         self._expected_gradients: list[tuple[Site, tuple[str, ...]]] = []
         self._received: set[Site] = set()
         self.handles: list[RemovableHandle] = []
+        # profile=True: each call's time and memory; calls whose forward runs, per module, with
+        # the call index their pre-hook took (see ``open_call``)
+        self.profiles: list[CallProfile] = []
+        self.overhead: list[tuple[Stamp, Stamp]] = []  # the observer's own work, stamped
+        # the hook stamping each tensor's crossing calls, by id (checked against the weakref)
+        self.boundaries: dict[int, tuple[weakref.ref[torch.Tensor], GradientSlot]] = {}
+        self._open_calls: dict[str, list[tuple[int, CallProfile | None]]] = {}
         # Held while the forward runs; afterwards only the gradient hooks hold it (see Observer).
         self.sentinel: object | None = None
 
@@ -88,6 +98,23 @@ class Sample:
         index = self._calls.get(layer, 0)
         self._calls[layer] = index + 1
         return index
+
+    def open_call(self, layer: str, call_index: int, profile: CallProfile | None) -> None:
+        """A call of ``layer`` started (its forward pre-hook): keep its index until it ends."""
+        self._open_calls.setdefault(layer, []).append((call_index, profile))
+        if profile is not None:
+            self.profiles.append(profile)
+
+    def end_call(self, layer: str) -> tuple[int, CallProfile | None]:
+        """A call of ``layer`` ends (its forward hook): the index ``open_call`` gave it.
+
+        Without a pre-hook (inputs and profile off, or a sample opened mid-forward) the call
+        takes its index now.
+        """
+        calls = self._open_calls.get(layer)
+        if calls:
+            return calls.pop()
+        return self.next_call_index(layer), None
 
     def add(self, site: Site, measurement: Measurement) -> None:
         """Keep a measurement until the sample closes; after that it is dropped.
@@ -118,7 +145,14 @@ class Sample:
 
     def start_transfer(self) -> HostTransfer:
         """Start moving every device value of this sample to the host."""
-        return HostTransfer(list(self._device_tensors()))
+        return HostTransfer(list(self._device_tensors()), list(self._events()))
+
+    def _events(self) -> Iterator[torch.cuda.Event]:
+        from torchinstruments_core._profile import events
+
+        for profile in self.profiles:
+            yield from events((*profile.forward, *profile.backward))
+        yield from events(stamp for interval in self.overhead for stamp in interval)
 
     def _device_tensors(self) -> Iterator[torch.Tensor]:
         for _, measurement in self._measured:
@@ -143,6 +177,8 @@ class Sample:
                     histograms.append(histogram)
         if not self.forward_only:
             rows.extend(self._missing_gradient_rows())
+        if self.profiles:  # their CUDA events completed with the transfer
+            rows.extend(self._profile_rows())
         return SampleRecord(
             run_id=run_id,
             rank=rank,
@@ -156,6 +192,13 @@ class Sample:
             kind=self.kind,
             note=self.note,
         )
+
+    def _profile_rows(self) -> Iterator[StatRow]:
+        from torchinstruments_core._profile import Overhead
+
+        overhead = Overhead(self.overhead)
+        for profile in self.profiles:
+            yield from profile.rows(overhead, backward=not self.forward_only)
 
     def _missing_gradient_rows(self) -> Iterator[StatRow]:
         for site, metrics in self._expected_gradients:

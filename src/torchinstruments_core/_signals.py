@@ -47,6 +47,8 @@ class SignalSpec:
         model_metrics: The metrics of its whole-model rows (layer ``MODEL_LAYER``) that
             ``LoggerRouter`` routes as scalars, under ``<prefix>/model/<signal>/<metric>``.
         summary_label: Its short name in the columns of ``summarize_run``; ``None``: not shown.
+        paths: The fixed ``tensor_path`` values of a signal that measures a module call rather
+            than a tensor (``forward``, ``backward``); empty for the others.
     """
 
     describes: str
@@ -57,6 +59,7 @@ class SignalSpec:
     routed_metrics: tuple[str, ...] | None = None
     model_metrics: tuple[str, ...] = ()
     summary_label: str | None = None
+    paths: tuple[str, ...] = ()
 
 
 class Signal(StrEnum):
@@ -110,6 +113,29 @@ class Signal(StrEnum):
             tensor_root="input",
             gradient_of="input",
             routed=False,
+        ),
+    )
+    TIME = (
+        "time",
+        SignalSpec(
+            "Opt-in (`profile=True`): the time of a module call's forward and of its backward "
+            "(`tensor_path` `forward`, `backward`; metric `ms`), inclusive of the modules it "
+            "calls; CUDA events on a GPU, `time.perf_counter` on the CPU. The backward runs from "
+            "the gradient reaching the call's outputs to the last gradient reaching its inputs.",
+            routed=False,
+            paths=("forward", "backward"),
+        ),
+    )
+    MEMORY = (
+        "memory",
+        SignalSpec(
+            "Opt-in (`profile=True`, CUDA only): the CUDA allocator's allocated memory over a "
+            "module call's forward and its backward (`tensor_path` `forward`, `backward`), "
+            "inclusive of the modules it calls: `allocated_delta_mib` is allocated at the end "
+            "minus at the start, `peak_delta_mib` the peak within the call minus at the start, "
+            "in MiB.",
+            routed=False,
+            paths=("forward", "backward"),
         ),
     )
     PARAMETER = (

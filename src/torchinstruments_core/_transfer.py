@@ -25,9 +25,15 @@ class HostTransfer:
 
     Args:
         tensors: Device tensors; ``wait()`` returns their values as host floats, in this order.
+        events: CUDA events recorded before the copies (a profiled sample's time marks): the
+            transfer is ready only once they have completed too, so their elapsed times can be
+            read without waiting for the device.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], events: Sequence[torch.cuda.Event] = ()
+    ) -> None:
+        self._events = list(events)
         self._sizes = [t.numel() for t in tensors]
         self._groups: list[tuple[list[int], torch.Tensor, torch.cuda.Event | None]] = []
         by_device: dict[torch.device, list[int]] = {}
@@ -39,7 +45,8 @@ class HostTransfer:
 
     def ready(self) -> bool:
         """Whether every copy has landed (never blocks)."""
-        return all(event is None or event.query() for _, _, event in self._groups)  # type: ignore[no-untyped-call]
+        copies = (event for _, _, event in self._groups if event is not None)
+        return all(event.query() for event in (*copies, *self._events))  # type: ignore[no-untyped-call]
 
     def wait(self) -> list[list[float]]:
         """Block until the copies have landed; return each input tensor's values."""
@@ -52,6 +59,9 @@ class HostTransfer:
             for index in indices:
                 out[index] = values[offset : offset + self._sizes[index]]
                 offset += self._sizes[index]
+        for event in self._events:  # completed already unless flush waits for the device
+            if not event.query():  # type: ignore[no-untyped-call]
+                event.synchronize()
         return out
 
 

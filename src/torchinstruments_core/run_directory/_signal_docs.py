@@ -45,8 +45,11 @@ def tensor_path_meaning() -> str:
     roots = sorted({s.tensor_root for s in Signal if s.tensor_root is not None})
     examples = ", ".join(f"`{root}`, `{root}.0`, `{root}.logits`" for root in roots)
     text = f"where the tensor sits under its signal's root: {examples}"
-    if any(s.tensor_root is None for s in Signal):
+    if any(s.kind is RecordKind.STEP and s.tensor_root is None for s in Signal):
         text += "; in a step record, the parameter's name within its module (`weight`)"
+    for signal in Signal:
+        if signal.spec.paths:
+            text += f"; for `{signal}`, " + " or ".join(f"`{p}`" for p in signal.spec.paths)
     return text
 
 
@@ -68,9 +71,16 @@ def signals_section() -> str:
     ]
     for signal in Signal:
         gradient_of = f"`{signal.gradient_of}`" if signal.gradient_of else ""
-        root = signal.tensor_root
-        root = f"`{root}`, `{root}.<key>`" if root else "the parameter's name"
+        root = _paths_cell(signal)
         lines.append(
             f"| `{signal}` | {signal.kind.value} | {gradient_of} | {root} | {signal.describes} |"
         )
     return "\n".join(lines)
+
+
+def _paths_cell(signal: Signal) -> str:
+    """The ``tensor_path`` cell of a signal's row in the table of signals."""
+    if signal.spec.paths:
+        return ", ".join(f"`{path}`" for path in signal.spec.paths)
+    root = signal.tensor_root
+    return f"`{root}`, `{root}.<key>`" if root else "the parameter's name"
