@@ -1,7 +1,7 @@
 """The overhead targets, measured step against step in one process: unsampled and sampled steps.
 
     uv run python benchmarks/paired.py [--workload transformer] [--rounds 40] [--compile]
-        [--exact-quartiles] [--sink run-directory|recording] [--device cpu|cuda]
+        [--exact-quartiles] [--sink run-directory|recording] [--device cpu|cuda] [--optimizer]
 
 ``overhead.py`` gives every configuration a fresh process, which is right for memory and for
 comparing tools, but on a shared machine the speed of two processes can differ by 10 %, more
@@ -17,6 +17,9 @@ With ``--compile`` both copies are ``torch.compile``d (inductor) and the observe
 observed as ``inject_observer(torch.compile(model))``. With ``--device cuda`` every step ends
 with ``torch.cuda.synchronize()``, so a step's time includes its kernels, and memory comes from
 the CUDA allocator's own peak statistic.
+
+With ``--optimizer`` the workload's optimizer is passed to ``inject_observer`` too, so a sampled
+step also records the optimizer step signals (parameters, gradients, updates, optimizer state).
 
 Reported: each configuration's median step; each ratio as the median of the per-round ratios,
 with the interquartile range of those ratios. The sampled step carries everything a sample
@@ -183,6 +186,9 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true", help="torch.compile both models; observe the compiled"
     )
+    parser.add_argument(
+        "--optimizer", action="store_true", help="also record the optimizer step signals"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -207,7 +213,10 @@ def main() -> None:
             if args.sink == "recording"
             else {"output_dir": Path(folder) / "run"}
         )
-        observer = inject_observer(observed.model, reducers=reducers, **destination)
+        optimizer = observed.optimizer if args.optimizer else None
+        observer = inject_observer(
+            observed.model, reducers=reducers, optimizer=optimizer, **destination
+        )
         times: dict[str, list[float]] = {name: [] for name in CONFIGURATIONS}
         for index in range(args.warmup + args.rounds):
             order = CONFIGURATIONS[index % 3 :] + CONFIGURATIONS[: index % 3]
@@ -231,7 +240,8 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     quartiles = "exact quartiles" if args.exact_quartiles else "default profile"
     print(f"{WORKLOADS[args.workload].description}; {args.threads} thread(s), {args.rounds} rounds")
     compiled = ", both models compiled (inductor)" if args.compile else ""
-    print(f"observed with the {quartiles}, {args.sink}{compiled}")
+    steps = ", optimizer step signals" if args.optimizer else ""
+    print(f"observed with the {quartiles}, {args.sink}{compiled}{steps}")
     gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     print(f"{platform.processor() or platform.machine()}{gpu}, torch {torch.__version__}\n")
     print("| configuration | median step (ms) | ratio to plain, median of rounds | IQR of ratios |")

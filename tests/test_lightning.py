@@ -59,7 +59,7 @@ def test_tensorboard_and_csv_loggers_get_the_sampled_steps(tmp_path: pathlib.Pat
     assert sorted({int(r["step"]) for r in rows if r.get(column)}) == SAMPLED
     history = pl_.read_parquet(pathlib.Path(tensorboard.log_dir) / "telemetry" / "history.parquet")
     assert sorted(history["step"].unique()) == SAMPLED
-    assert set(history["layer"]) == {"net.0", "net.1", "net.2"}
+    assert set(history["layer"]) == {"net.0", "net.1", "net.2", "<model>"}  # <model>: step rows
 
 
 def _telemetry_tags(root: pathlib.Path) -> dict[pathlib.Path, set[str]]:
@@ -125,8 +125,11 @@ def test_every_micro_batch_of_an_accumulated_step_is_sampled(tmp_path: pathlib.P
         Regressor(), loader(batches=32)
     )
     samples = pl_.read_parquet(telemetry_dir(tmp_path) / "samples.parquet")
-    assert samples["step"].to_list() == [0, 0, 0, 2, 2, 2, 4, 4, 4]
-    assert samples["forward_only"].to_list() == [False] * 9
+    forward = samples.filter(pl_.col("kind") == "forward")
+    assert forward["step"].to_list() == [0, 0, 0, 2, 2, 2, 4, 4, 4]
+    assert forward["forward_only"].to_list() == [False] * 9
+    # one optimizer step per accumulated step: one step record each
+    assert samples.filter(pl_.col("kind") == "step")["step"].to_list() == [0, 2, 4]
 
 
 def test_validation_and_sanity_check_do_not_shift_the_schedule(tmp_path: pathlib.Path) -> None:
@@ -136,7 +139,8 @@ def test_validation_and_sanity_check_do_not_shift_the_schedule(tmp_path: pathlib
         tmp_path, max_steps=10, num_sanity_val_steps=2, val_check_interval=4, callbacks=[monitor]
     ).fit(Regressor(), loader(), loader(batches=4))
     samples = pl_.read_parquet(telemetry_dir(tmp_path) / "samples.parquet")
-    assert samples["step"].to_list() == SAMPLED
+    assert samples.filter(pl_.col("kind") == "forward")["step"].to_list() == SAMPLED
+    assert samples.filter(pl_.col("kind") == "step")["step"].to_list() == SAMPLED
     assert not any(samples["forward_only"])
 
 
@@ -147,7 +151,10 @@ def test_sample_validation_adds_forward_only_samples(tmp_path: pathlib.Path) -> 
         Regressor(), loader(), loader(batches=2)
     )
     samples = pl_.read_parquet(telemetry_dir(tmp_path) / "samples.parquet")
-    assert samples.select("step", "forward_only").rows() == [(0, False), (4, True), (4, True)]
+    forward = samples.filter(pl_.col("kind") == "forward")
+    assert forward.select("step", "forward_only").rows() == [(0, False), (4, True), (4, True)]
+    # a validation sample (no gradients) records no optimizer step
+    assert samples.filter(pl_.col("kind") == "step")["step"].to_list() == [0]
 
 
 def test_manual_optimization(tmp_path: pathlib.Path) -> None:
@@ -171,7 +178,14 @@ def test_manual_optimization(tmp_path: pathlib.Path) -> None:
     )
     history = _history(tmp_path)
     assert sorted(history["step"].unique()) == [0, 2]
-    assert set(history["signal"]) == {"output", "output_gradient"}
+    # the manual optimizer.step() is recorded too (plain SGD holds no state)
+    assert set(history["signal"]) == {
+        "output",
+        "output_gradient",
+        "parameter",
+        "parameter_gradient",
+        "update",
+    }
 
 
 def test_exception_mid_fit_removes_hooks_and_finalizes(tmp_path: pathlib.Path) -> None:
@@ -215,8 +229,9 @@ def test_resume_continues_sample_ids_and_steps_without_overwriting(tmp_path: pat
     assert (folder / "telemetry" / "history.parquet").read_bytes() == before
     first_samples = pl_.read_parquet(folder / "telemetry" / "samples.parquet")
     resumed = pl_.read_parquet(folder / "telemetry-resumed-1" / "samples.parquet")
-    assert first_samples.select("sample_id", "step").rows() == [(0, 0), (1, 2)]
-    assert resumed.select("sample_id", "step").rows() == [(2, 4), (3, 6)]
+    # a forward sample and a step record per sampled step, sharing one id sequence
+    assert first_samples.select("sample_id", "step").rows() == [(0, 0), (1, 0), (2, 2), (3, 2)]
+    assert resumed.select("sample_id", "step").rows() == [(4, 4), (5, 4), (6, 6), (7, 6)]
     assert resumed["run_id"].n_unique() == first_samples["run_id"].n_unique() == 1
     assert resumed["run_id"][0] != first_samples["run_id"][0]
 
@@ -246,7 +261,7 @@ def test_run_id_rank_sample_id_is_a_unique_key_across_fits_and_resumes(
     assert len(folders) == 4
     assert sum(f.name.endswith(("-resumed-1", "-resumed-2")) for f in folders) == 2
     samples = pl_.read_parquet([f / "samples.parquet" for f in folders])
-    assert samples.height == 4 + 2 + 2 + 2
+    assert samples.height == 2 * (4 + 2 + 2 + 2)  # a sample and a step record per sampled step
     assert not samples.select("run_id", "rank", "sample_id").is_duplicated().any()
     assert samples["run_id"].n_unique() == 4
     history = pl_.read_parquet([f / "history.parquet" for f in folders])
@@ -305,7 +320,8 @@ def test_bf16_mixed_works(tmp_path: pathlib.Path) -> None:
     ).fit(Regressor(), loader())
     history = _history(tmp_path)
     assert history["value"].null_count() == 0
-    assert set(history["signal"]) == {"output", "output_gradient"}
+    forward = {"output", "output_gradient"}
+    assert set(history["signal"]) == forward | {"parameter", "parameter_gradient", "update"}
 
 
 def test_beside_weight_averaging_checkpointing_and_anomaly_detection(

@@ -81,7 +81,8 @@ def test_fresh_wandb_runs_sharing_a_directory_get_folders_named_after_them(
         assert (telemetry / name / "history.parquet").exists()
         assert any(str((telemetry / name).resolve()) in r.getMessage() for r in caplog.records)
     resumed = pl.read_parquet(telemetry / f"{first}-resumed-1" / "samples.parquet")
-    assert resumed.select("sample_id", "step").rows() == [(1, 2)]
+    # the forward sample and the step record of step 2 (step 0's took ids 0 and 1)
+    assert resumed.select("sample_id", "step").rows() == [(2, 2), (3, 2)]
 
 
 @pytest.mark.slow
@@ -103,6 +104,6 @@ def test_ddp_spawn_two_processes(tmp_path: pathlib.Path, policy: str) -> None:
         assert not list(telemetry.glob("rank-*"))
         frame = pl.read_parquet(telemetry / "history.parquet")
         assert frame["rank"].unique().to_list() == [0]
-    assert set(frame["layer"]) == {"net.0", "net.1", "net.2"}
+    assert set(frame["layer"]) == {"net.0", "net.1", "net.2", "<model>"}  # <model>: step rows
     assert frame["run_id"].unique().to_list() == [telemetry.name]  # the ranks share rank 0's
     assert sorted(frame["step"].unique()) == [0, 2]

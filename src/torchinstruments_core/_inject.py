@@ -21,6 +21,11 @@ from torchinstruments_core._exceptions import ConfigurationError
 from torchinstruments_core._layers import DEFAULT_MAX_FOCUS_LAYERS, focus_arguments, select_layers
 from torchinstruments_core._measure import Measurer
 from torchinstruments_core._observer import Observer, ObserverConfig
+from torchinstruments_core._optimizer_probe import (
+    DEFAULT_STEP_SIGNALS,
+    check_optimizers,
+    parse_step_signals,
+)
 from torchinstruments_core._registry import claim, lookup
 from torchinstruments_core.reducers import HistogramReducer, Reducer, default_reducers
 from torchinstruments_core.reducers.histogram import MAX_HISTOGRAM_BINS
@@ -30,6 +35,8 @@ from torchinstruments_core.selectors import SelectorFn, leaf_modules
 if TYPE_CHECKING:
     import os
     from collections.abc import Sequence
+
+    import torch
 
     from torchinstruments_core.sinks import Sink
 
@@ -56,6 +63,8 @@ def inject_observer(
     first_sample_id: int = 0,
     histogram_selector: SelectorFn | None = None,
     max_histogram_modules: int | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    step_signals: Sequence[str] = DEFAULT_STEP_SIGNALS,
 ) -> Observer:
     """Observe ``model``: sampled statistics of its modules' outputs and output gradients.
 
@@ -105,6 +114,14 @@ def inject_observer(
             had taken, so that ids continue.
         histogram_selector: Deprecated name of ``focus_selector`` (warns).
         max_histogram_modules: Deprecated name of ``max_focus_layers`` (warns).
+        optimizer: An optimizer, or several, whose steps give the optimizer step signals
+            (``Observer.watch_optimizer`` for each): the parameters, their gradients as the
+            optimizer uses them, their updates and the optimizer's state, in a step record per
+            optimizer step after a sampled forward.
+        step_signals: Which optimizer step signals are recorded (default all:
+            ``"parameter"``, ``"parameter_gradient"``, ``"update"``, ``"optimizer_state"``).
+            Leave out ``"update"`` to save its memory: one copy of the observed parameters,
+            held during a recorded optimizer step only.
 
     Returns:
         The attached ``Observer``; also a context manager that removes itself. Left attached,
@@ -153,6 +170,8 @@ def inject_observer(
         parse_choice(ErrorPolicy, "error_policy", error_policy),
     )
     first_id = check_positive_int("first_sample_id", first_sample_id, minimum=0)
+    optimizers = () if optimizer is None else check_optimizers(optimizer)
+    signals = parse_step_signals(step_signals)
     checked_run_id = check_run_id(run_id) or new_run_id()
     built_sink = _build_sink(output_dir, sink)  # last: it creates and claims the folder
     config = ObserverConfig(
@@ -165,6 +184,7 @@ def inject_observer(
         capture_direct_forwards=bool(capture_direct_forwards),
         run_id=checked_run_id,
         first_sample_id=first_id,
+        step_signals=signals,
     )
     observer = Observer(model, config)
     try:
@@ -175,6 +195,8 @@ def inject_observer(
         raise
     try:
         observer._attach()
+        for each in optimizers:
+            observer.watch_optimizer(each)
     except BaseException:
         observer.remove()
         raise

@@ -27,7 +27,7 @@ from torchinstruments_core._step_records import StepRecorder
 from torchinstruments_core._torch_private import in_backward
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from torch import nn
 
@@ -38,7 +38,11 @@ if TYPE_CHECKING:
     from torchinstruments_core._rank_gate import RankGate
     from torchinstruments_core._scale import GradientScaleReader
     from torchinstruments_core._sink_session import SinkSession
-    from torchinstruments_core._step_records import StepTensor
+    from torchinstruments_core._step_records import StepScalars, StepTensor
+
+
+def _ignore(step: int | None) -> None:
+    """What ``on_training_sample`` does until an optimizer is watched."""
 
 
 class _Sentinel:
@@ -95,6 +99,8 @@ class SampleLifecycle:
         self._delivery = DeliveryQueue(self._lock, sink, config.run_id, gate)
         self._probe = OutputProbe(config.measurer, failures, self._close, self._waiting)
         self._steps = StepRecorder(config.measurer, failures)
+        # Told of each sample opened with gradients enabled (its optimizer step may be recorded).
+        self.on_training_sample: Callable[[int | None], None] = _ignore
         self.attachment = Attachment(
             model,
             config.layers,
@@ -167,6 +173,8 @@ class SampleLifecycle:
             self._running[sample.sample_id] = sample
         self._local.active = sample
         self.attachment.arm()
+        if sample.grad_enabled:
+            self.on_training_sample(step)
         sample.duration_s += time.perf_counter() - started
 
     def _on_output(self, layer: Layer, output: Any) -> None:
@@ -204,12 +212,27 @@ class SampleLifecycle:
 
     # -- step records ------------------------------------------------------------------------
 
-    def record_step(self, step: int | None, tensors: Iterable[StepTensor]) -> int | None:
+    def record_step(
+        self, step: int | None, tensors: Iterable[StepTensor | StepScalars]
+    ) -> int | None:
         """Measure one optimizer step's tensors into a step record and deliver it like a sample.
 
         Returns:
             The record's id, from the samples' sequence; ``None`` when nothing was recorded (a
             rank that does not observe, or after removal).
+        """
+        record = self.open_step(step)
+        if record is None:
+            return None
+        self.measure_step(record, tensors)
+        self.deliver_step(record)
+        return record.sample_id
+
+    def open_step(self, step: int | None, note: str | None = None) -> Sample | None:
+        """A new step record with the next id, or ``None`` (a rank that does not observe, removal).
+
+        Measure into it with ``measure_step``, then hand it on with ``deliver_step``; ``note``
+        is its ``SampleRecord.note``.
         """
         self._gate.resolve()
         if self.removed or not self._gate.enabled:
@@ -220,12 +243,19 @@ class SampleLifecycle:
         with self._lock:
             record = self._steps.open(self.next_sample_id, step)
             self.next_sample_id += 1
+        record.note = note
         record.duration_s += time.perf_counter() - started
+        return record
+
+    def measure_step(self, record: Sample, tensors: Iterable[StepTensor | StepScalars]) -> None:
+        """Reduce ``tensors`` into the open step record ``record``, on their devices."""
         self._steps.measure(record, tensors)
+
+    def deliver_step(self, record: Sample) -> None:
+        """Close the step record: its values start crossing to the host, then reach the sink."""
         record.closed = True  # complete: nothing joins it on its way to the host
         self._delivery.push(record)
         self._delivery.drain(wait=False)
-        return record.sample_id
 
     # -- the per-module hooks -----------------------------------------------------------------
 

@@ -14,6 +14,8 @@ transfer and the sink receives the ``SampleRecord``.
 - ``_lifecycle.SampleLifecycle``: opening, tracking and closing samples; the hooks' arming.
 - ``_probe.OutputProbe``: measuring outputs, matching gradients (checkpoint recomputation too).
 - ``_step_records.StepRecorder``: measuring an optimizer step's tensors into a step record.
+- ``_step_window.StepWindow``: which optimizer steps are recorded.
+- ``_optimizer_probe.OptimizerProbe``: the watched optimizers' step hooks and what they measure.
 - ``_scale.GradientScaleReader``: the loss scale the recorded gradients are divided by.
 - ``_delivery.DeliveryQueue``: transfers in flight, delivered to the sink in closing order.
 - ``_sink_session.SinkSession``: the sink opened once, written, closed, each call guarded.
@@ -32,16 +34,19 @@ from torchinstruments_core._exceptions import ConfigurationError
 from torchinstruments_core._failures import FailureReport
 from torchinstruments_core._lifecycle import SampleLifecycle
 from torchinstruments_core._observer_config import ObserverConfig
+from torchinstruments_core._optimizer_probe import OptimizerProbe, check_optimizers
 from torchinstruments_core._plan import StepPlan
 from torchinstruments_core._rank_gate import RankGate
 from torchinstruments_core._records import RunInfo
 from torchinstruments_core._registry import forget
 from torchinstruments_core._scale import GradientScaleReader
 from torchinstruments_core._sink_session import SinkSession
+from torchinstruments_core._step_window import StepWindow
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    import torch
     from torch import nn
 
     from torchinstruments_core._layers import Layer
@@ -76,6 +81,9 @@ class Observer:
             scale=self._scale,
             sink=self._sink,
             failures=failures,
+        )
+        self._optimizers = OptimizerProbe(
+            self._samples, StepWindow(), failures, config.step_signals
         )
 
     # -- public surface ----------------------------------------------------------------------
@@ -156,6 +164,7 @@ class Observer:
         ``force_eager``) instead of compiling a variant of its graph with the hooks in it.
         """
         self._plan.begin(step, sample=sample)
+        self._optimizers.announced(step, sample=sample)
         if sample:
             self._samples.arm_for_step()
         else:
@@ -230,12 +239,40 @@ class Observer:
         """
         return self._samples.record_step(step, tensors)
 
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Record the sampled steps of ``optimizer``: the optimizer step signals.
+
+        Hooks ``optimizer``'s own step pre- and post-hook (``register_step_pre_hook``, public
+        torch API); removal removes them. Watching the same optimizer again does nothing;
+        several optimizers are each recorded, one step record per recorded optimizer step.
+        A wrapper with a public ``optimizer`` attribute (Accelerate's) is unwrapped.
+
+        Which steps are recorded: under an adapter, each watched optimizer's first step inside
+        a sampled trainer step (``begin_step(step, sample=True)``, or one in which a sample was
+        opened with gradients enabled), numbered with that step; in a plain loop, each watched
+        optimizer's first step after a sampled forward. Rows exist for the parameters that an
+        observed module registers (``layer`` its clean name, ``tensor_path`` the parameter's
+        name; a parameter shared by several belongs to the first in model order); the
+        whole-model rows (``MODEL_LAYER``, ``ALL_PARAMETERS``) are described in the README.
+        A sampled trainer step in which no watched optimizer stepped (the fp16 ``GradScaler``
+        skipped it) has a step record without rows whose ``note`` is
+        ``"optimizer_step_skipped"``, written when the next step begins.
+
+        Raises:
+            ConfigurationError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+        """
+        (checked,) = check_optimizers([optimizer])
+        if self._samples.removed or not self._gate.enabled or self._model is None:
+            return
+        self._optimizers.watch(checked, self._model, self._layers)
+
     def flush(self) -> None:
         """Close every open sample and wait until the sink has received all of them."""
         self._samples.flush()
 
     def remove(self) -> None:
         """Remove every hook, deliver every sample and close the sink. Safe to call again."""
+        self._optimizers.remove()
         if not self._samples.stop():
             return
         self._samples.attachment.detach()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from torchinstruments_core._signals import RecordKind, Signal, signals_of
 
 if TYPE_CHECKING:
     from torchinstruments_core._config import ErrorPolicy, RankPolicy
@@ -26,3 +28,6 @@ class ObserverConfig:
     capture_direct_forwards: bool
     run_id: str
     first_sample_id: int = 0
+    step_signals: frozenset[Signal] = field(
+        default_factory=lambda: frozenset(signals_of(RecordKind.STEP))
+    )

@@ -22,6 +22,7 @@ from torchinstruments_core._config import (
 )
 from torchinstruments_core._inject import _check_reducers, _selector, inject_observer, new_run_id
 from torchinstruments_core._layers import DEFAULT_MAX_FOCUS_LAYERS, focus_arguments
+from torchinstruments_core._optimizer_probe import DEFAULT_STEP_SIGNALS, parse_step_signals
 from torchinstruments_core._watch import NonFiniteWatch
 from torchinstruments_core.routing import DEFAULT_SCALAR_METRICS, LoggerRouter
 from torchinstruments_core.run_directory import (
@@ -110,6 +111,11 @@ class TelemetryOptions:
             device, and read at the next step.
         unscale_gradients: Divide gradients by the fp16 loss scale before measuring them, so
             that they are the gradients the optimizer sees (bf16 and fp32 need no unscaling).
+        step_signals: The optimizer step signals recorded at each sampled step's optimizer
+            step (default all four: ``"parameter"``, ``"parameter_gradient"``, ``"update"``,
+            ``"optimizer_state"``; see ``inject_observer``). Leave out ``"update"`` to save
+            its memory (one copy of the observed parameters during the recorded step); an
+            empty tuple records none.
         histogram_selector: Deprecated name of ``focus_selector`` (warns; ``None`` after the
             constructor).
         max_histogram_modules: Deprecated name of ``max_focus_layers`` (warns; ``None`` after
@@ -136,6 +142,7 @@ class TelemetryOptions:
     on_nonfinite: str = "warn"
     sample_after_nonfinite: int = 10
     unscale_gradients: bool = True
+    step_signals: Sequence[str] = DEFAULT_STEP_SIGNALS
     histogram_selector: SelectorFn | None = field(default=None, repr=False)
     max_histogram_modules: int | None = field(default=None, repr=False)
 
@@ -154,6 +161,8 @@ class TelemetryOptions:
         self.error_policy = parse_choice(ErrorPolicy, "error_policy", self.error_policy)
         self.on_nonfinite = parse_choice(NonFinitePolicy, "on_nonfinite", self.on_nonfinite)
         check_positive_int("sample_after_nonfinite", self.sample_after_nonfinite, minimum=0)
+        parse_step_signals(self.step_signals)
+        self.step_signals = tuple(self.step_signals)
         _selector(self.selector)
         if self.reducers is not None:
             self.reducers = _check_reducers(self.reducers)
@@ -261,9 +270,19 @@ class TelemetryOptions:
         return MultiSink(sinks)
 
     def inject(
-        self, model: nn.Module, *, sink: Sink, run_id: str, first_sample_id: int = 0
+        self,
+        model: nn.Module,
+        *,
+        sink: Sink,
+        run_id: str,
+        first_sample_id: int = 0,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> Observer:
-        """Observe ``model`` with these options (``inject_observer``), writing to ``sink``."""
+        """Observe ``model`` with these options (``inject_observer``), writing to ``sink``.
+
+        ``optimizers`` are the trainer's optimizers, all of them: their sampled steps give the
+        optimizer step signals (``step_signals``).
+        """
         return inject_observer(
             model,
             sink=sink,
@@ -275,6 +294,8 @@ class TelemetryOptions:
             error_policy=self.error_policy,
             run_id=run_id,
             first_sample_id=first_sample_id,
+            optimizer=list(optimizers) or None,
+            step_signals=self.step_signals,
         )
 
     def gradient_scale(

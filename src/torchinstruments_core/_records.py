@@ -14,6 +14,7 @@ from enum import StrEnum
 from torchinstruments_core._signals import RecordKind, Signal
 
 __all__ = [
+    "STEP_SKIPPED",
     "HistogramRecord",
     "LayerInfo",
     "RecordKind",
@@ -97,6 +98,8 @@ class SampleRecord:
             observing) when ``step`` is the user's number for that step (the Accelerate tracker
             numbers steps as ``accelerator.log(step=...)`` does); ``None`` otherwise.
         kind: ``RecordKind.FORWARD`` for a sample, ``RecordKind.STEP`` for a step record.
+        note: Why a step record has no rows, when it stands for an optimizer step that did not
+            run (``STEP_SKIPPED``); ``None`` otherwise.
     """
 
     run_id: str
@@ -110,6 +113,13 @@ class SampleRecord:
     histograms: tuple[HistogramRecord, ...]
     optimizer_step: int | None = None
     kind: RecordKind = RecordKind.FORWARD
+    note: str | None = None
+
+
+STEP_SKIPPED = "optimizer_step_skipped"
+"""The ``note`` of a sampled trainer step in which no watched optimizer stepped: the fp16
+``GradScaler`` found inf or NaN gradients and skipped ``optimizer.step()`` (or the trainer skipped
+the step). Such a step record has no rows."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,7 @@ class Sample:
         self.closed = False
         self.backward_task: int | None = None
         self.duration_s = 0.0
+        self.note: str | None = None  # a step record's note (see ``SampleRecord.note``)
         self._calls: dict[str, int] = {}
         self._measured: list[tuple[Site, Measurement]] = []
         self._expected_gradients: list[tuple[Site, tuple[str, ...]]] = []
@@ -153,6 +154,7 @@ class Sample:
             rows=tuple(rows),
             histograms=tuple(histograms),
             kind=self.kind,
+            note=self.note,
         )
 
     def _missing_gradient_rows(self) -> Iterator[StatRow]:

@@ -16,15 +16,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from torchinstruments_core._exceptions import ConfigurationError
+from torchinstruments_core._measure import Measurement, ReducerResult
 from torchinstruments_core._probe import measure_site
 from torchinstruments_core._sample import Sample, Site
 from torchinstruments_core._signals import RecordKind, Signal, signals_of
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
-
-    import torch
 
     from torchinstruments_core._failures import FailureReport
     from torchinstruments_core._measure import Measurer
@@ -40,6 +41,9 @@ class StepTensor:
         name: The parameter's name within its module (``weight``): the row's ``tensor_path``.
         tensor: The tensor, on any device; it is only read.
         histogram: Also compute its histogram.
+        extra_metrics: Further metrics of the tensor, each a device scalar computed by the
+            caller (``update_to_weight`` on an update), as ``(metric, value)`` pairs.
+        scale: Measure the tensor divided by this (a loss scale), on its device.
 
     Raises:
         ConfigurationError: ``signal`` belongs to forward samples.
@@ -50,11 +54,36 @@ class StepTensor:
     name: str
     tensor: torch.Tensor
     histogram: bool = False
+    extra_metrics: tuple[tuple[str, torch.Tensor], ...] = ()
+    scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if Signal(self.signal).kind is not RecordKind.STEP:
             choices = [s.value for s in signals_of(RecordKind.STEP)]
             raise ConfigurationError.invalid("signal", str(self.signal), choices)
+
+
+@dataclass(frozen=True, slots=True)
+class StepScalars:
+    """Scalars of a step record computed by the caller, not by the reducers (whole-model rows).
+
+    Attributes:
+        layer: The row's ``layer`` (``MODEL_LAYER`` for the whole model).
+        signal: A signal of kind ``RecordKind.STEP``.
+        name: The row's ``tensor_path`` (``ALL_PARAMETERS``).
+        metrics: The metric names, one per entry of ``values``.
+        values: A 1-D device tensor of the values, in the order of ``metrics``.
+        n_finite: How many finite entries the values describe (a device scalar): a non-finite
+            value of a set without finite entries reads ``no_finite_values``, else
+            ``non_finite_result``.
+    """
+
+    layer: str
+    signal: Signal
+    name: str
+    metrics: tuple[str, ...]
+    values: torch.Tensor
+    n_finite: torch.Tensor
 
 
 class StepRecorder:
@@ -75,13 +104,33 @@ class StepRecorder:
         """A new, empty step record with id ``record_id`` for trainer step ``step``."""
         return Sample(record_id, step, time.time(), None, kind=RecordKind.STEP)
 
-    def measure(self, record: Sample, tensors: Iterable[StepTensor]) -> None:
+    def measure(self, record: Sample, tensors: Iterable[StepTensor | StepScalars]) -> None:
         """Reduce each tensor into ``record`` (its values stay on the device until delivery)."""
         started = time.perf_counter()
         for item in tensors:
             site = Site(item.layer, 0, item.signal, item.name)
+            if isinstance(item, StepScalars):
+                record.add(site, _scalars(item))
+                continue
             measurement = measure_site(
-                self._measurer, self._failures, item.tensor, site, item.histogram
+                self._measurer, self._failures, item.tensor, site, item.histogram, item.scale
             )
+            if item.extra_metrics and measurement.reason is None:
+                _add_extra(measurement, item.extra_metrics)
             record.add(site, measurement)
         record.duration_s += time.perf_counter() - started
+
+
+def _scalars(item: StepScalars) -> Measurement:
+    values = item.values.detach().reshape(-1)
+    result = ReducerResult(item.metrics, values)
+    return Measurement(None, item.metrics, n_finite=item.n_finite.detach(), results=[result])
+
+
+def _add_extra(measurement: Measurement, extra: tuple[tuple[str, torch.Tensor], ...]) -> None:
+    names = tuple(name for name, _ in extra)
+    device = measurement.n_finite.device if measurement.n_finite is not None else None
+    dtype = torch.float32 if device is not None and device.type == "mps" else torch.float64
+    values = torch.stack([value.detach().reshape(()).to(device, dtype) for _, value in extra])
+    measurement.results.append(ReducerResult(names, values))
+    measurement.metrics = (*measurement.metrics, *names)

@@ -38,6 +38,14 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     recorded divided by the GradScaler's current scale, i.e. unscaled, as the optimizer sees them
     (``unscale_gradients=False`` records them scaled); ``bf16-mixed`` needs no scaling.
 
+    Optimizer step signals: every optimizer in ``trainer.optimizers`` is watched
+    (``Observer.watch_optimizer``), so the optimizer step of each sampled step is recorded at
+    ``trainer.global_step`` in a step record: the parameters before it, the gradients it used
+    (after accumulation over ``accumulate_grad_batches``, unscaling under ``16-mixed`` and
+    ``gradient_clip_val`` clipping), the update with ``update_to_weight``, the optimizer's state
+    and the whole-model gradient and update norms (``step_signals`` chooses which). A sampled
+    step whose optimizer step the fp16 GradScaler skips has only a note in ``samples.parquet``.
+
     Non-finite values: the loss a ``training_step`` returns (``outputs["loss"]``, or the
     tensor itself) is checked at each batch end without waiting for the device and read at the
     next batch start; a non-finite loss at step ``s`` has steps ``s + 1`` …
@@ -306,7 +314,11 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         self._watch = self.nonfinite_watch(targets)
         sink = self.sink(folder, targets, tensorboard=tensorboard, watch=self._watch)
         self._observer = self.inject(
-            pl_module, sink=sink, run_id=run_id, first_sample_id=first_sample_id
+            pl_module,
+            sink=sink,
+            run_id=run_id,
+            first_sample_id=first_sample_id,
+            optimizers=trainer.optimizers,  # all of them; empty outside fitting
         )
         self._observer.begin_step(trainer.global_step, sample=False)
 

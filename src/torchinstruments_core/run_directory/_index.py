@@ -56,6 +56,9 @@ _SAMPLE_MEANINGS = {
     "rows": "how many rows of history.parquet the sample has",
     "kind": "`forward` for a sample (a root forward and its backward), `step` for a step record "
     "(rows of one optimizer step: see Signals)",
+    "note": "why a step record has no rows: `optimizer_step_skipped` when no watched optimizer "
+    "stepped in a sampled trainer step (the fp16 GradScaler skipped it: inf or NaN gradients); "
+    "null otherwise, and absent in runs written before it existed",
 }
 
 _STATUSES = """\

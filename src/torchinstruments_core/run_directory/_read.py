@@ -20,7 +20,8 @@ def scan_samples(
     """``samples.parquet`` of one or more runs (or ranks) as one lazy frame.
 
     A run written before step records existed has no ``kind`` column: its rows read as
-    ``"forward"`` samples, so a query on ``kind`` works on old and new runs alike.
+    ``"forward"`` samples, so a query on ``kind`` works on old and new runs alike. A run written
+    before skipped optimizer steps were noted has no ``note`` column: it reads as null.
 
     Args:
         source: A run folder, a ``samples.parquet`` file, or a list of either.
@@ -35,6 +36,9 @@ def _scan_one(path: Path) -> pl.LazyFrame:
     import polars as pl
 
     frame = pl.scan_parquet(path / "samples.parquet" if path.is_dir() else path)
-    if "kind" not in frame.collect_schema().names():
+    names = frame.collect_schema().names()
+    if "kind" not in names:
         frame = frame.with_columns(kind=pl.lit(RecordKind.FORWARD.value, dtype=pl.String()))
+    if "note" not in names:
+        frame = frame.with_columns(note=pl.lit(None, dtype=pl.String()))
     return frame

@@ -47,7 +47,9 @@ def samples_schema() -> pl.Schema:
     ``kind`` is ``"forward"`` for a sample and ``"step"`` for a step record (``RecordKind``; a run
     written before the column existed holds samples only). ``optimizer_step`` is an adapter's own
     count of optimizer steps where ``step`` follows the user's numbering
-    (``SampleRecord.optimizer_step``), null otherwise.
+    (``SampleRecord.optimizer_step``), null otherwise. ``note`` says why a step record has no
+    rows (``SampleRecord.note``: ``optimizer_step_skipped``), null otherwise; a run written before
+    the column existed has none.
     """
     import polars as pl
 
@@ -57,6 +59,7 @@ def samples_schema() -> pl.Schema:
         "forward_only": pl.Boolean(),
         "collection_duration_ms": pl.Float64(),
         "rows": pl.Int64(),
+        "note": pl.String(),
     }
     return pl.Schema(columns)
 
@@ -95,6 +98,7 @@ def samples_frame(samples: Sequence[SampleRecord]) -> pl.DataFrame:
         "forward_only": [s.forward_only for s in samples],
         "collection_duration_ms": [s.collection_duration_ms for s in samples],
         "rows": [len(s.rows) for s in samples],
+        "note": [s.note for s in samples],
     }
     return _frame(columns, samples_schema())
 

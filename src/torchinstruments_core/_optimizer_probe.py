@@ -1,0 +1,236 @@
+"""``OptimizerProbe``: the optimizer step signals, from each watched optimizer's own step hooks.
+
+Each watched optimizer gets a step pre-hook and a step post-hook (public torch API). On a step the
+``StepWindow`` does not claim, the pre-hook reads one attribute and the post-hook one dict; on a
+recorded step the pre-hook measures what ``_step_tensors.before_step`` lists and the post-hook
+what comes after the update, into one step record delivered when the post-hook ends.
+
+An optimizer stepped with a closure (Lightning without a GradScaler, LBFGS) computes its
+gradients inside ``step``, after the pre-hook: the pre-hook then wraps the closure, and the
+"before" measurements run when the closure first returns (the parameters are still untouched).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchinstruments_core._exceptions import ConfigurationError
+from torchinstruments_core._records import STEP_SKIPPED
+from torchinstruments_core._signals import RecordKind, Signal, signals_of
+from torchinstruments_core._step_tensors import (
+    ParameterMap,
+    PreStepCopy,
+    before_step,
+    optimizer_state,
+    updates,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch import nn
+    from torch.utils.hooks import RemovableHandle
+
+    from torchinstruments_core._failures import FailureReport
+    from torchinstruments_core._layers import Layer
+    from torchinstruments_core._lifecycle import SampleLifecycle
+    from torchinstruments_core._sample import Sample
+    from torchinstruments_core._step_window import StepWindow
+
+DEFAULT_STEP_SIGNALS: tuple[str, ...] = tuple(s.value for s in signals_of(RecordKind.STEP))
+"""The optimizer step signals recorded unless told otherwise: all of them."""
+
+_CONSEQUENCE = "this optimizer step's record misses the values it could not take"
+
+
+def parse_step_signals(value: Sequence[str] | str) -> frozenset[Signal]:
+    """The step signals named by ``value`` (``step_signals``), checked.
+
+    Raises:
+        ConfigurationError: ``value`` names something other than an optimizer step signal.
+    """
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, Sequence) or not all(n in DEFAULT_STEP_SIGNALS for n in names):
+        raise ConfigurationError.invalid("step_signals", value, DEFAULT_STEP_SIGNALS)
+    return frozenset(Signal(n) for n in names)
+
+
+def check_optimizers(value: object) -> tuple[torch.optim.Optimizer, ...]:
+    """``optimizer`` of ``inject_observer``: one optimizer or a sequence of them, checked."""
+    items = value if isinstance(value, list | tuple) else [value]
+    optimizers: list[torch.optim.Optimizer] = []
+    for item in items:
+        optimizer = unwrap(item)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigurationError.invalid(
+                "optimizer", item, "a torch.optim.Optimizer or a sequence of them"
+            )
+        optimizers.append(optimizer)
+    return tuple(optimizers)
+
+
+def unwrap(optimizer: object) -> object:
+    """The torch optimizer inside a wrapper that steps it (Accelerate's ``.optimizer``)."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A recorded step between its pre-hook and its post-hook."""
+
+    record: Sample
+    copies: list[PreStepCopy]
+
+
+class OptimizerProbe:
+    """Watches optimizers and records the steps the ``StepWindow`` claims.
+
+    Args:
+        lifecycle: Opens, fills and delivers the step records.
+        window: Decides which steps are recorded.
+        failures: Where a failure while measuring is reported.
+        signals: The step signals to record.
+    """
+
+    def __init__(
+        self,
+        lifecycle: SampleLifecycle,
+        window: StepWindow,
+        failures: FailureReport,
+        signals: frozenset[Signal],
+    ) -> None:
+        self._lifecycle, self._window, self._failures = lifecycle, window, failures
+        self._signals = signals
+        self._parameters: ParameterMap | None = None
+        self._watched: dict[int, tuple[weakref.ref[Any], list[RemovableHandle]]] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._stepping = False  # between a claimed pre-hook and its post-hook
+
+    def watch(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, layers: list[Layer]
+    ) -> None:
+        """Hook ``optimizer`` (once; a second call does nothing)."""
+        known = self._watched.get(id(optimizer))
+        if known is not None and known[0]() is optimizer:
+            return
+        if self._parameters is None:
+            self._parameters = ParameterMap(model, layers)
+        handles = [
+            optimizer.register_step_pre_hook(self._pre),
+            optimizer.register_step_post_hook(self._post),
+        ]
+        self._watched[id(optimizer)] = (weakref.ref(optimizer), handles)
+        self._window.watching = bool(self._signals)
+        self._lifecycle.on_training_sample = self.sampled
+
+    # -- the window ---------------------------------------------------------------------------
+
+    def sampled(self, step: int | None) -> None:
+        """A training sample opened (or a sampled step began): see ``StepWindow.sampled``.
+
+        A sample opened inside a recorded step (by its closure) belongs to that step.
+        """
+        if not self._stepping:
+            self._note(self._window.sampled(step))
+
+    def announced(self, step: int, *, sample: bool) -> None:
+        """An adapter began trainer step ``step``."""
+        self._stepping = False
+        self._note(self._window.announced(step))
+        if sample:
+            self.sampled(step)
+
+    def _note(self, unstepped: int | None) -> None:
+        if unstepped is None:
+            return
+        record = self._lifecycle.open_step(unstepped, note=STEP_SKIPPED)
+        if record is not None:
+            self._lifecycle.deliver_step(record)
+
+    # -- the hooks ----------------------------------------------------------------------------
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        if not self._window.open or not self._window.claim(optimizer):
+            return None  # the unsampled step's whole cost
+        self._stepping = True
+        step = self._window.step
+        # ``args`` starts with the optimizer itself: torch passes step's own positional arguments
+        closure = kwargs.get("closure") if "closure" in kwargs else (args[1:2] or (None,))[0]
+        if closure is None:
+            self._before(optimizer, step)
+            return None
+        wrapped = _Once(closure, functools.partial(self._before, optimizer, step))
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs
+
+    def _before(self, optimizer: torch.optim.Optimizer, step: int | None) -> None:
+        self._finish(id(optimizer))  # a step that raised before its post-hook
+        record = self._lifecycle.open_step(step)
+        if record is None or self._parameters is None:
+            return
+        pending = self._pending[id(optimizer)] = _Pending(record, [])
+        try:
+            tensors, pending.copies = before_step(optimizer, self._parameters, self._signals)
+            self._lifecycle.measure_step(record, tensors)
+        except Exception as error:  # observing must never break the training step
+            self._failures.failed("measuring before an optimizer step", error, "step", _CONSEQUENCE)
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._pending:
+            return  # the unsampled step's whole cost
+        pending = self._pending.pop(id(optimizer), None)
+        if pending is None or self._parameters is None:
+            return
+        self._stepping = False
+        try:
+            self._lifecycle.measure_step(pending.record, updates(pending.copies))
+            if Signal.OPTIMIZER_STATE in self._signals:
+                states = optimizer_state(optimizer, self._parameters)
+                self._lifecycle.measure_step(pending.record, states)
+        except Exception as error:  # observing must never break the training step
+            self._failures.failed("measuring after an optimizer step", error, "step", _CONSEQUENCE)
+        finally:
+            pending.copies.clear()
+            self._lifecycle.deliver_step(pending.record)
+
+    def _finish(self, key: int) -> None:
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            pending.copies.clear()
+            self._lifecycle.deliver_step(pending.record)
+
+    def remove(self) -> None:
+        """Remove every hook and deliver what is pending. Safe to call again."""
+        for _, handles in self._watched.values():
+            for handle in handles:
+                handle.remove()
+        self._watched.clear()
+        for key in list(self._pending):
+            self._finish(key)
+        self._window.close()
+        self._window.watching = False
+        self._parameters = None
+
+
+class _Once:
+    """A closure that runs ``after`` once, when it first returns (see the module docstring)."""
+
+    __slots__ = ("_after", "_closure", "_done")
+
+    def __init__(self, closure: Callable[[], Any], after: Callable[[], None]) -> None:
+        self._closure, self._after, self._done = closure, after, False
+
+    def __call__(self) -> Any:
+        result = self._closure()
+        if not self._done:
+            self._done = True
+            self._after()
+        return result

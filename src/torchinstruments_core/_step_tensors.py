@@ -1,0 +1,213 @@
+"""What a recorded optimizer step measures, before and after the optimizer's update.
+
+Before the update (the optimizer's step pre-hook, or right after its closure ran): each observed
+parameter (``parameter``), the gradient the optimizer is about to use (``parameter_gradient``),
+the whole model's gradient norm and counts, and a copy of each observed parameter for its update.
+After the update (the step post-hook): each parameter's change (``update``, with
+``update_to_weight``), the whole update's norm, and the optimizer's state (``optimizer_state``).
+
+The copies are the only memory this holds across the update: one copy of the observed parameters
+that have a gradient, in their own dtype, each freed as soon as its update is measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchinstruments_core._plain import plain_tensor
+from torchinstruments_core._signals import Signal
+from torchinstruments_core._step_math import (
+    ADAM_RATIO_METRIC,
+    adam_ratio,
+    norm,
+    update_to_weight,
+    whole_gradient,
+    whole_update,
+)
+from torchinstruments_core._step_records import StepScalars, StepTensor
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+    from torch import nn
+
+    from torchinstruments_core._layers import Layer
+
+UPDATE_TO_WEIGHT = "update_to_weight"
+"""The metric on each ``update`` row: rms(update) / rms(parameter before the step)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The observed module that registers a parameter: its clean name and the parameter's."""
+
+    layer: str
+    name: str
+    histogram: bool
+
+
+@dataclass(slots=True)
+class PreStepCopy:
+    """An observed parameter's values before the update, and the norm of them."""
+
+    parameter: torch.Tensor
+    owner: Owner
+    values: torch.Tensor
+    weight_norm: torch.Tensor
+
+
+class ParameterMap:
+    """Which parameters have rows, under which names, and which belong to the model.
+
+    A parameter belongs to the observed module that registers it (``named_parameters`` without
+    recursion); a parameter shared by several observed modules belongs to the first in model
+    order. The parameters of modules that are not observed have no rows of their own but count
+    in the whole-model gradient rows.
+
+    Args:
+        model: The observed root module.
+        layers: The observed modules, in model order.
+    """
+
+    __slots__ = ("_model_ids", "_owners")
+
+    def __init__(self, model: nn.Module, layers: Sequence[Layer]) -> None:
+        self._owners: dict[int, Owner] = {}
+        for layer in layers:
+            for name, parameter in layer.module.named_parameters(recurse=False):
+                self._owners.setdefault(id(parameter), Owner(layer.name, name, layer.histogram))
+        self._model_ids = {id(p) for p in model.parameters()}
+
+    def owner(self, parameter: torch.Tensor) -> Owner | None:
+        """The module and name ``parameter``'s rows go under, if it has rows."""
+        return self._owners.get(id(parameter))
+
+    def in_model(self, parameter: torch.Tensor) -> bool:
+        """Whether ``parameter`` is one of the model's (the whole-model rows count it)."""
+        return id(parameter) in self._model_ids
+
+
+def stepped(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The parameters ``optimizer`` steps, group by group."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def before_step(
+    optimizer: torch.optim.Optimizer, parameters: ParameterMap, signals: frozenset[Signal]
+) -> tuple[list[StepTensor | StepScalars], list[PreStepCopy]]:
+    """The tensors to measure before the update, and the copies the update needs.
+
+    A fused optimizer stepped by a GradScaler unscales the gradients inside its own step; the
+    scaler leaves the scale on it (``optimizer.grad_scale``), and the gradients are measured
+    divided by it.
+    """
+    scale = getattr(optimizer, "grad_scale", None)
+    scale = scale if isinstance(scale, torch.Tensor) else None
+    tensors: list[StepTensor | StepScalars] = []
+    copies: list[PreStepCopy] = []
+    gradients: list[torch.Tensor] = []
+    for parameter in stepped(optimizer):
+        gradient = parameter.grad
+        if gradient is not None and parameters.in_model(parameter):
+            plain = plain_tensor(gradient)
+            if isinstance(plain, torch.Tensor):
+                gradients.append(plain)
+        owner = parameters.owner(parameter)
+        if owner is None:
+            continue
+        tensors.extend(_parameter_tensors(parameter, owner, signals, scale))
+        if gradient is not None and Signal.UPDATE in signals:
+            copy = _copy(parameter, owner)
+            if copy is not None:
+                copies.append(copy)
+    if gradients and Signal.PARAMETER_GRADIENT in signals:
+        tensors.append(whole_gradient(gradients, scale))
+    return tensors, copies
+
+
+def _parameter_tensors(
+    parameter: torch.Tensor, owner: Owner, signals: frozenset[Signal], scale: torch.Tensor | None
+) -> Iterator[StepTensor]:
+    if Signal.PARAMETER in signals:
+        yield _tensor(owner, Signal.PARAMETER, owner.name, parameter.detach())
+    if parameter.grad is not None and Signal.PARAMETER_GRADIENT in signals:
+        gradient = parameter.grad
+        yield StepTensor(
+            owner.layer, Signal.PARAMETER_GRADIENT, owner.name, gradient, owner.histogram, (), scale
+        )
+
+
+def _tensor(
+    owner: Owner, signal: Signal, path: str, tensor: torch.Tensor, *extra: tuple[str, torch.Tensor]
+) -> StepTensor:
+    return StepTensor(owner.layer, signal, path, tensor, owner.histogram, tuple(extra))
+
+
+def _copy(parameter: torch.Tensor, owner: Owner) -> PreStepCopy | None:
+    values = plain_tensor(parameter)  # a DTensor's local shard: the update is the shard's
+    if not isinstance(values, torch.Tensor):
+        return None
+    return PreStepCopy(parameter, owner, values.clone(), norm(values))
+
+
+def updates(copies: list[PreStepCopy]) -> Iterator[StepTensor | StepScalars]:
+    """Each copied parameter's update, then the whole update's norm; frees each copy.
+
+    The update is computed into the copy's own memory (after minus before), measured, and the
+    copy is dropped before the next one: nothing beyond the copies is held.
+    """
+    norms: list[torch.Tensor] = []
+    while copies:
+        copy = copies.pop(0)
+        after = plain_tensor(copy.parameter)
+        if not isinstance(after, torch.Tensor):
+            continue
+        update = copy.values.neg_().add_(after)  # after - before, exactly: negation is exact
+        size = norm(update)
+        norms.append(size)
+        ratio = update_to_weight(size, copy.weight_norm)
+        yield _tensor(copy.owner, Signal.UPDATE, copy.owner.name, update, (UPDATE_TO_WEIGHT, ratio))
+        del copy, update
+    if norms:
+        yield whole_update(norms)
+
+
+def optimizer_state(
+    optimizer: torch.optim.Optimizer, parameters: ParameterMap
+) -> Iterator[StepTensor]:
+    """The state tensors ``optimizer`` holds for each observed parameter, by their names.
+
+    Only tensors of the parameter's shape (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``);
+    scalars such as ``step`` are left out. An Adam-family ``exp_avg_sq`` row also carries
+    ``gradient_rms_ratio`` (see ``adam_ratio``).
+    """
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            owner = parameters.owner(parameter)
+            state = optimizer.state.get(parameter) if owner is not None else None
+            if owner is None or not state:
+                continue
+            yield from _state_tensors(parameter, owner, state, group)
+
+
+def _state_tensors(
+    parameter: torch.Tensor, owner: Owner, state: dict[str, Any], group: dict[str, Any]
+) -> Iterator[StepTensor]:
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor) or value.shape != parameter.shape:
+            continue
+        path = f"{owner.name}.{key}"
+        ratio = None
+        if key == "exp_avg_sq" and parameter.grad is not None:
+            gradient = plain_tensor(parameter.grad)
+            if isinstance(gradient, torch.Tensor):
+                local_state = {
+                    k: plain_tensor(v) if k.endswith("sq") else v for k, v in state.items()
+                }
+                ratio = adam_ratio(gradient, local_state, group)
+        extra = () if ratio is None else ((ADAM_RATIO_METRIC, ratio),)
+        yield _tensor(owner, Signal.OPTIMIZER_STATE, path, value, *extra)

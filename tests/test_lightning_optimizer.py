@@ -1,0 +1,154 @@
+"""TelemetryMonitor's optimizer step signals, against the optimizer's own view in float64.
+
+The test's optimizer hooks (registered in ``configure_optimizers``, before the monitor's) copy
+what the optimizer used. Lightning turns ``precision="16-mixed"`` into ``bf16-mixed`` on the CPU
+(it warns that fp16 AMP is not supported there), so the fp16 tests pass Lightning's own
+``MixedPrecision("16-mixed", "cpu")`` plugin: fp16 autocast with torch's CPU GradScaler, through
+the same ``MixedPrecision.optimizer_step`` that ``16-mixed`` runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import polars as pl
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_helpers import Regressor, loader, trainer
+from optimizer_helpers import Key, Reference, assert_matches, split, stats
+from torchinstruments_core import ConfigurationError
+from torchinstruments_lightning import TelemetryMonitor
+
+STEP_SIGNALS = ["parameter", "parameter_gradient", "update", "optimizer_state"]
+
+
+class Recorded(Regressor):
+    """``Regressor`` whose optimizer is followed by a ``Reference``; optionally poisoned."""
+
+    def __init__(self, poison_step: int | None = None) -> None:
+        super().__init__()
+        self.poison_step = poison_step
+        self.reference: Reference | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == self.poison_step:  # inf gradients: the scaler skips the step
+            loss = loss * float("inf")
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        self.reference = Reference(optimizer, {id(p): n for n, p in self.named_parameters()})
+        return optimizer
+
+
+def _fit(tmp_path: pathlib.Path, model: Recorded, **kwargs: Any) -> pathlib.Path:
+    monitor = TelemetryMonitor(
+        every_n_steps=kwargs.pop("every_n_steps", 1),
+        output_dir=tmp_path / "run",
+        log_to_loggers=False,
+        step_signals=kwargs.pop("step_signals", STEP_SIGNALS),
+    )
+    fit = trainer(tmp_path, callbacks=[monitor], logger=False, enable_checkpointing=False, **kwargs)
+    fit.fit(model, loader())
+    assert monitor.run_directory is not None
+    return monitor.run_directory
+
+
+def _step_rows(run: pathlib.Path) -> dict[int, dict[Key, float | None]]:
+    """The step records' rows by trainer step."""
+    history = pl.read_parquet(run / "history.parquet")
+    signals = history.filter(pl.col("signal").is_in(STEP_SIGNALS))
+    found: dict[int, dict[Key, float | None]] = {}
+    for step, layer, signal, path, metric, value in signals.select(
+        "step", "layer", "signal", "tensor_path", "metric", "value"
+    ).iter_rows():
+        found.setdefault(step, {})[(layer, signal, path, metric)] = value
+    return found
+
+
+def _check(rows: dict[Key, float | None], copies: Any, rel: float) -> None:
+    for name, before in copies.before.items():
+        layer, path = split(name)
+        assert_matches(rows, layer, "parameter", path, stats(before), rel=rel)
+        gradient = stats(copies.gradient[name])
+        assert_matches(rows, layer, "parameter_gradient", path, gradient, rel=rel)
+        update = stats(copies.after[name] - before)
+        assert_matches(rows, layer, "update", path, update, rel=max(rel, 1e-6))
+        momentum = stats(copies.state[name]["momentum_buffer"])
+        assert_matches(rows, layer, "optimizer_state", f"{path}.momentum_buffer", momentum, rel=rel)
+
+
+def test_float64_rows_under_clipping_and_accumulation(tmp_path: pathlib.Path) -> None:
+    """64-true, clipping and accumulation: sampled steps' rows match the float64 optimizer view.
+
+    The gradient is the accumulated, clipped one (its whole-model norm is the clip value); the
+    unsampled steps have no step record.
+    """
+    model = Recorded()
+    run = _fit(
+        tmp_path,
+        model,
+        precision="64-true",
+        gradient_clip_val=0.05,
+        accumulate_grad_batches=2,
+        max_steps=4,
+        every_n_steps=2,
+    )
+    assert model.reference is not None
+    rows = _step_rows(run)
+    assert sorted(rows) == [0, 2]  # the unsampled steps have no step record
+    for step, found in rows.items():
+        _check(found, model.reference.steps[step], rel=1e-9)
+        assert found[("<model>", "parameter_gradient", "*", "l2_norm")] == pytest.approx(0.05)
+
+
+def test_fp16_gradients_are_unscaled_and_clipped(tmp_path: pathlib.Path) -> None:
+    """fp16 with a GradScaler and clipping: gradients are the unscaled, clipped ones used."""
+    model = Recorded()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    run = _fit(
+        tmp_path,
+        model,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        gradient_clip_val=0.05,
+        max_steps=3,
+    )
+    assert model.reference is not None
+    rows = _step_rows(run)
+    assert sorted(rows) == [0, 1, 2]
+    for step, found in rows.items():
+        _check(found, model.reference.steps[step], rel=1e-5)
+        norm = found[("<model>", "parameter_gradient", "*", "l2_norm")]
+        assert norm == pytest.approx(0.05, rel=1e-4)
+
+
+def test_a_skipped_fp16_step_is_a_note(tmp_path: pathlib.Path) -> None:
+    """A step the GradScaler skips (inf gradients) has no step rows, only a note."""
+    model = Recorded(poison_step=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    run = _fit(
+        tmp_path,
+        model,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        max_steps=3,
+    )
+    assert sorted(_step_rows(run)) == [0, 2]
+    samples = pl.read_parquet(run / "samples.parquet").filter(pl.col("kind") == "step")
+    assert samples.sort("step").select("step", "note").rows() == [
+        (0, None),
+        (1, "optimizer_step_skipped"),
+        (2, None),
+    ]
+
+
+def test_step_signals_option_reaches_the_monitor(tmp_path: pathlib.Path) -> None:
+    """``step_signals`` chooses the recorded signals; a bad value fails in the constructor."""
+    run = _fit(tmp_path, Recorded(), max_steps=1, step_signals=["update"])
+    history = pl.read_parquet(run / "history.parquet").filter(pl.col("signal").is_in(STEP_SIGNALS))
+    assert set(history["signal"]) == {"update"}
+    with pytest.raises(ConfigurationError, match=r"step_signals=\['weights'\]"):
+        TelemetryMonitor(step_signals=["weights"])

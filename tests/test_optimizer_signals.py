@@ -1,0 +1,295 @@
+"""The optimizer step signals in a plain loop, against float64 copies taken by the test.
+
+The test's own step hooks (registered before the observer's) copy the parameters before the
+update, and the gradients, the parameters after it and the optimizer's state after it; every
+recorded value is checked against statistics of those copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from optimizer_helpers import Reference, adam_ratio, assert_matches, split, stats, values_of
+from torchinstruments_core import (
+    AlwaysSampler,
+    ConfigurationError,
+    EveryNForwardsSampler,
+    RecordKind,
+    SampleRecord,
+    inject_observer,
+)
+from torchinstruments_core.testing import RecordingSink
+
+MODEL = "<model>"
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _train(model: nn.Module, optimizers: list[torch.optim.Optimizer], steps: int) -> None:
+    for index in range(steps):
+        torch.manual_seed(100 + index)
+        loss = model(torch.randn(16, 4, dtype=torch.float64)).square().mean()
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def _step_records(sink: RecordingSink) -> list[SampleRecord]:
+    return [s for s in sink.samples if s.kind is RecordKind.STEP]
+
+
+def _check_parameters(record: SampleRecord, reference: Any) -> None:
+    rows = values_of(record)
+    for name, before in reference.before.items():
+        layer, path = split(name)
+        assert_matches(rows, layer, "parameter", path, stats(before), rel=1e-9)
+        assert_matches(
+            rows, layer, "parameter_gradient", path, stats(reference.gradient[name]), rel=1e-9
+        )
+        update = reference.after[name] - before
+        assert_matches(rows, layer, "update", path, stats(update), rel=1e-6)
+        ratio = update.square().mean().sqrt() / before.square().mean().sqrt()
+        assert rows[(layer, "update", path, "update_to_weight")] == pytest.approx(ratio.item())
+
+
+def _check_whole_model(record: SampleRecord, reference: Any) -> None:
+    rows = values_of(record)
+    gradients = list(reference.gradient.values())
+    holders = [torch.zeros_like(g, requires_grad=True) for g in gradients]
+    for holder, gradient in zip(holders, gradients, strict=True):
+        holder.grad = gradient.clone()
+    total = torch.nn.utils.clip_grad_norm_(holders, max_norm=float("inf"))
+    assert rows[(MODEL, "parameter_gradient", "*", "l2_norm")] == pytest.approx(total.item())
+    zeros = sum(int((g == 0).sum()) for g in gradients)
+    assert rows[(MODEL, "parameter_gradient", "*", "zero_count")] == zeros
+    assert rows[(MODEL, "parameter_gradient", "*", "nonfinite_count")] == 0
+    updates = [reference.after[n] - reference.before[n] for n in reference.before]
+    update_norm = torch.linalg.vector_norm(torch.cat([u.reshape(-1) for u in updates]))
+    assert rows[(MODEL, "update", "*", "l2_norm")] == pytest.approx(update_norm.item())
+
+
+def test_sgd_rows_match_float64_copies() -> None:
+    """SGD with momentum: every step row equals float64 statistics of the test's copies.
+
+    Parameter, gradient, update, update_to_weight, momentum buffer and the whole-model rows.
+    """
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    reference = Reference(optimizer, _names(model))
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+        _train(model, [optimizer], steps=3)
+    records = _step_records(sink)
+    assert len(records) == len(reference.steps) == 3
+    for record, copies in zip(records, reference.steps, strict=True):
+        _check_parameters(record, copies)
+        _check_whole_model(record, copies)
+        rows = values_of(record)
+        for name, state in copies.state.items():
+            layer, path = split(name)
+            momentum = stats(state["momentum_buffer"])
+            assert_matches(
+                rows, layer, "optimizer_state", f"{path}.momentum_buffer", momentum, rel=1e-9
+            )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.Adam(p, lr=0.01),
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+        lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True),
+    ],
+    ids=["Adam", "AdamW", "Adam-amsgrad"],
+)
+def test_adam_family_moments_and_ratio_match_float64_copies(make: Any) -> None:
+    """Adam, AdamW, amsgrad Adam: the moments and rms(g / sqrt(v_hat)) match float64 copies.
+
+    The ratio sits on the exp_avg_sq row and uses the max moment under amsgrad.
+    """
+    model = _model()
+    optimizer = make(model.parameters())
+    amsgrad = optimizer.param_groups[0]["amsgrad"]
+    reference = Reference(optimizer, _names(model))
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+        _train(model, [optimizer], steps=3)
+    records = _step_records(sink)
+    assert len(records) == 3
+    for record, copies in zip(records, reference.steps, strict=True):
+        _check_parameters(record, copies)
+        rows = values_of(record)
+        for name, state in copies.state.items():
+            layer, path = split(name)
+            for key in ("exp_avg", "exp_avg_sq"):
+                expected = stats(state[key])
+                assert_matches(rows, layer, "optimizer_state", f"{path}.{key}", expected, rel=1e-9)
+            second = state["max_exp_avg_sq"] if amsgrad else state["exp_avg_sq"]
+            ratio = adam_ratio(copies.gradient[name], second, copies.step[name], beta2=0.999)
+            row = (layer, "optimizer_state", f"{path}.exp_avg_sq", "gradient_rms_ratio")
+            assert rows[row] == pytest.approx(ratio, rel=1e-9)
+
+
+def test_each_optimizer_has_its_own_record_with_its_own_parameters() -> None:
+    """Two optimizers: one record per optimizer step, with the rows of its own parameters.
+
+    The whole-model gradient norm of each record covers the parameters that optimizer steps.
+    """
+    model = _model()
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    last = torch.optim.Adam(model[2].parameters(), lr=0.01)
+    references = [Reference(first, _names(model)), Reference(last, _names(model))]
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=[first, last]):
+        _train(model, [first, last], steps=2)
+    records = _step_records(sink)
+    assert len(records) == 4
+    for index, record in enumerate(records):
+        copies = references[index % 2].steps[index // 2]
+        layers = {row.layer for row in record.rows}
+        assert layers == {"0" if index % 2 == 0 else "2", MODEL}
+        _check_parameters(record, copies)
+        _check_whole_model(record, copies)
+
+
+def test_only_the_step_after_a_sampled_forward_is_recorded() -> None:
+    """Only the step after a sampled forward is recorded; the others run no extra operator.
+
+    Every third forward is sampled; the unsampled optimizer steps dispatch exactly the operators
+    of an unobserved optimizer's steps.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    def counted_steps(observed: bool) -> list[int]:
+        model = _model()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        sink = RecordingSink()
+        arguments: dict[str, Any] = {"optimizer": optimizer} if observed else {}
+        counts = []
+        with inject_observer(model, sampler=EveryNForwardsSampler(3), sink=sink, **arguments):
+            for index in range(6):
+                model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+                with Count() as count:
+                    optimizer.step()
+                counts.append(count.calls)
+                optimizer.zero_grad()
+                del index
+        assert len(_step_records(sink)) == (2 if observed else 0)
+        return counts
+
+    observed, bare = counted_steps(True), counted_steps(False)
+    unsampled = [1, 2, 4, 5]
+    assert [observed[i] for i in unsampled] == [bare[i] for i in unsampled]
+    assert observed[0] > bare[0]
+    assert observed[3] > bare[3]
+
+
+def test_removal_leaves_no_hook_and_no_reference() -> None:
+    """Removal leaves the optimizer no hook and no reference; its steps record nothing."""
+    import gc
+    import weakref
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = RecordingSink()
+    observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer)
+    observer.watch_optimizer(optimizer)  # a second watch adds nothing
+    assert (
+        len(optimizer._optimizer_step_pre_hooks) == len(optimizer._optimizer_step_post_hooks) == 1
+    )
+    observer.remove()
+    assert not optimizer._optimizer_step_pre_hooks
+    assert not optimizer._optimizer_step_post_hooks
+    _train(model, [optimizer], steps=1)
+    assert sink.samples == []
+    alive = weakref.ref(optimizer)
+    del optimizer
+    gc.collect()
+    assert alive() is None
+
+
+def test_step_signals_choose_the_rows() -> None:
+    """``step_signals`` records only the signals named (the whole-model rows go with them)."""
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    sink = RecordingSink()
+    with inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        sink=sink,
+        optimizer=optimizer,
+        step_signals=["parameter_gradient"],
+    ):
+        _train(model, [optimizer], steps=1)
+    (record,) = _step_records(sink)
+    assert {str(r.signal) for r in record.rows} == {"parameter_gradient"}
+    assert {r.layer for r in record.rows} == {"0", "2", MODEL}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (
+            {"step_signals": ["output"]},
+            r"step_signals=\['output'\].*'parameter', 'parameter_gradient'",
+        ),
+        ({"optimizer": "adam"}, r"optimizer='adam'.*torch.optim.Optimizer"),
+        ({"optimizer": [object]}, r"optimizer=<class 'object'>.*torch.optim.Optimizer"),
+    ],
+)
+def test_bad_step_arguments_fail_naming_argument_value_and_choices(
+    arguments: dict[str, Any], message: str
+) -> None:
+    """A bad ``step_signals`` or ``optimizer`` fails at once, naming it, value and choices."""
+    with pytest.raises(ConfigurationError, match=message):
+        inject_observer(_model(), sink=RecordingSink(), **arguments)
+
+
+def test_a_closure_is_measured_after_it_ran() -> None:
+    """``optimizer.step(closure)``: the gradients are the closure's, measured after it ran.
+
+    The parameters are those before the update.
+    """
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = Reference(optimizer, _names(model))
+    sink = RecordingSink()
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(torch.randn(8, 4, dtype=torch.float64)).square().mean()
+        loss.backward()
+        return loss
+
+    with inject_observer(model, sink=sink, optimizer=optimizer) as observer:
+        for step in range(2):
+            observer.begin_step(step, sample=True)
+            optimizer.step(closure)
+            observer.end_step()
+    records = _step_records(sink)
+    assert [r.step for r in records] == [0, 1]
+    for record, copies in zip(records, reference.steps, strict=True):
+        _check_parameters(record, copies)

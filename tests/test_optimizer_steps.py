@@ -1,0 +1,206 @@
+"""Which optimizer steps are recorded, what a skipped fp16 step leaves, and what a step costs.
+
+The GradScaler path runs for real on the CPU: fp16 autocast with ``torch.amp.GradScaler("cpu")``.
+Memory is measured with ``tensor_memory`` (the torch profiler's allocation events) on the CPU and
+with ``torch.cuda.max_memory_allocated`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from optimizer_helpers import Reference, assert_matches, split, stats, values_of
+from torchinstruments_core import (
+    AlwaysSampler,
+    EveryNForwardsSampler,
+    RecordKind,
+    inject_observer,
+)
+from torchinstruments_core.run_directory import scan_samples
+from torchinstruments_core.testing import RecordingSink, tensor_memory
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _scaled_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    *,
+    poison: bool = False,
+    clip: float | None = None,
+) -> None:
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(16, 4)).float().square().mean()
+    if poison:  # an overflow: the scaler finds inf gradients and skips optimizer.step()
+        loss = loss * float("inf")
+    scaler.scale(loss).backward()
+    if clip is not None:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+
+
+def test_gradients_are_unscaled_and_clipped_as_the_optimizer_sees_them() -> None:
+    """fp16 with a GradScaler and clipping: gradients are the unscaled, clipped ones used.
+
+    The gradient rows and the whole-model norm match what the optimizer's step used.
+    """
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = {id(p): name for name, p in model.named_parameters()}
+    reference = Reference(optimizer, names)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+        for _ in range(2):
+            _scaled_step(model, optimizer, scaler, clip=0.05)
+    records = [s for s in sink.samples if s.kind is RecordKind.STEP]
+    assert len(records) == 2
+    for record, copies in zip(records, reference.steps, strict=True):
+        rows = values_of(record)
+        for name, gradient in copies.gradient.items():
+            layer, path = split(name)
+            assert_matches(rows, layer, "parameter_gradient", path, stats(gradient), rel=1e-5)
+        norm = rows[("<model>", "parameter_gradient", "*", "l2_norm")]
+        assert norm == pytest.approx(0.05, rel=1e-4)  # clipped to max_norm, not scaled by 4096
+
+
+def test_a_fused_optimizer_gradients_are_unscaled() -> None:
+    """A fused AdamW that unscales inside its own step: the gradients are recorded unscaled.
+
+    The GradScaler leaves the scale on the optimizer (``grad_scale``); the rows divide by it and
+    match the gradients the fused step left unscaled in ``.grad``.
+    """
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    names = {id(p): name for name, p in model.named_parameters()}
+    reference = Reference(optimizer, names)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+        _scaled_step(model, optimizer, scaler)
+    (record,) = [s for s in sink.samples if s.kind is RecordKind.STEP]
+    rows = values_of(record)
+    (copies,) = reference.steps
+    for name, gradient in copies.gradient.items():
+        layer, path = split(name)
+        assert_matches(rows, layer, "parameter_gradient", path, stats(gradient), rel=1e-5)
+    total = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in copies.gradient.values()]))
+    norm = rows[("<model>", "parameter_gradient", "*", "l2_norm")]
+    assert norm == pytest.approx(total.item(), rel=1e-5)
+
+
+def test_a_skipped_step_has_a_note_and_no_rows(tmp_path: pathlib.Path) -> None:
+    """A step the GradScaler skips has a record without rows, noted in samples.parquet."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with inject_observer(model, output_dir=tmp_path / "run", optimizer=optimizer) as observer:
+        for step in range(3):
+            observer.begin_step(step, sample=True)
+            _scaled_step(model, optimizer, scaler, poison=step == 1)
+            observer.end_step()
+    samples = scan_samples(tmp_path / "run").filter(pl.col("kind") == "step").collect()
+    assert samples.sort("step").select("step", "note", "rows").rows() == [
+        (0, None, samples.filter(pl.col("step") == 0)["rows"].item()),
+        (1, "optimizer_step_skipped", 0),
+        (2, None, samples.filter(pl.col("step") == 2)["rows"].item()),
+    ]
+    assert all(rows > 0 for rows in samples.filter(pl.col("step") != 1)["rows"])
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    step_signals = {"parameter", "parameter_gradient", "update", "optimizer_state"}
+    assert history.filter(pl.col("signal").is_in(step_signals))[
+        "step"
+    ].unique().sort().to_list() == [0, 2]
+    index = (tmp_path / "run" / "index.md").read_text()
+    assert "| `note` |" in index
+    assert "optimizer_step_skipped" in index
+
+
+def test_runs_without_the_note_column_read_as_null(tmp_path: pathlib.Path) -> None:
+    """A samples.parquet written before the ``note`` column existed reads with a null note."""
+    model = _model()
+    with inject_observer(model, output_dir=tmp_path / "old", sampler=AlwaysSampler()):
+        model(torch.randn(2, 4)).sum().backward()
+    path = tmp_path / "old" / "samples.parquet"
+    pl.read_parquet(path).drop("note").write_parquet(path)
+    assert scan_samples(tmp_path / "old").collect()["note"].to_list() == [None]
+
+
+def test_the_update_copy_is_one_copy_of_the_parameters_freed_after_the_step() -> None:
+    """CPU: ``update`` costs one copy of the parameters, freed; an unsampled step nothing.
+
+    A recorded step with ``update`` peaks at most the observed parameters' size above one
+    without it, and both leave no tensor behind.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Linear(256, 8))
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def step_memory(signals: tuple[str, ...], every: int) -> list[tuple[int, int]]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        sink = RecordingSink()
+        sampler = EveryNForwardsSampler(every)
+        found = []
+        with inject_observer(
+            model, sampler=sampler, sink=sink, optimizer=optimizer, step_signals=signals
+        ):
+            for _ in range(2):
+                model(torch.randn(4, 256)).sum().backward()
+                memory = tensor_memory(optimizer.step)
+                found.append((memory.peak, memory.net))
+                optimizer.zero_grad(set_to_none=False)
+        return found
+
+    every_signal = ("parameter", "parameter_gradient", "update", "optimizer_state")
+    with_update = step_memory(every_signal, every=1)
+    without = step_memory(("parameter", "parameter_gradient", "optimizer_state"), every=1)
+    unsampled = step_memory(every_signal, every=100)[1]
+    for (peak, net), (peak_without, net_without) in zip(with_update, without, strict=True):
+        assert size <= peak - peak_without <= size + 1024
+        assert net == net_without == 0
+    assert unsampled == (0, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_update_copy_on_cuda_is_bounded_and_freed() -> None:
+    """CUDA: ``update`` peaks at most one parameter copy higher and leaves nothing behind."""
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 8)).to(device)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def step_peak(signals: tuple[str, ...]) -> tuple[int, int]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        sink = RecordingSink()
+        with inject_observer(
+            model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer, step_signals=signals
+        ) as observer:
+            model(torch.randn(4, 1024, device=device)).sum().backward()
+            observer.flush()
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            optimizer.step()
+            observer.flush()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - start
+            left = torch.cuda.memory_allocated() - start
+            optimizer.zero_grad()
+        return peak, left
+
+    peak, left = step_peak(("parameter", "parameter_gradient", "update", "optimizer_state"))
+    peak_without, left_without = step_peak(("parameter", "parameter_gradient", "optimizer_state"))
+    assert peak - peak_without <= size + 64 * 1024  # the caching allocator rounds each block
+    assert left <= left_without + 4096
