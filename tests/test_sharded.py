@@ -7,10 +7,11 @@ with the same tensors measured whole on one process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -22,6 +23,9 @@ from torch import nn
 from torchinstruments_core import AlwaysSampler, Signal, StepTensor, inject_observer
 from torchinstruments_core.reducers import DEFAULT_METRICS, default_reducers, precision_reducers
 from torchinstruments_core.testing import RecordingSink
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 tensor_api = pytest.importorskip("torch.distributed.tensor")
 mesh_api = pytest.importorskip("torch.distributed.device_mesh")
@@ -57,6 +61,23 @@ def _rows(sink: RecordingSink) -> dict[str, dict[str, Any]]:
     return table
 
 
+@contextlib.contextmanager
+def _counting_all_gathers() -> Iterator[list[int]]:
+    """Count the calls of ``torch.distributed.all_gather`` (what the combination runs)."""
+    calls: list[int] = []
+    original = dist.all_gather
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_gather = counting
+    try:
+        yield calls
+    finally:
+        dist.all_gather = original
+
+
 def _record_worker(rank: int, folder: str, policy: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{folder}/rdv", rank=rank, world_size=2)
     try:
@@ -70,8 +91,9 @@ def _record_worker(rank: int, folder: str, policy: str) -> None:
                 placed = tensor_api.distribute_tensor(tensor, mesh, [tensor_api.Shard(dim)])
                 sharded.append(StepTensor(name, Signal.PARAMETER, "weight", placed))
                 whole.append(StepTensor(name, Signal.PARAMETER, "whole", tensor))
-            ids = [observer.record_step(7, sharded), observer.record_step(8, whole)]
-        result = {"ids": ids, "rows": _rows(sink)}
+            with _counting_all_gathers() as calls:
+                ids = [observer.record_step(7, sharded), observer.record_step(8, whole)]
+        result = {"ids": ids, "rows": _rows(sink), "collectives": len(calls)}
         pathlib.Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -120,14 +142,16 @@ def test_sharded_step_tensors_describe_the_whole_tensor(
     one process, mean, std, rms and l2_norm equal to rounding (also near 1e300 and with an empty
     shard), quartiles exact where every entry is sent and within the stated rank bound where
     subsampled; a reducer without a combination (the precision set) says ``sharded_tensor``.
-    Under ``rank0`` rank 1 joins the collective but records nothing; under ``all`` both ranks
-    record the same rows. Neither hangs.
+    The six sharded tensors take one collective on each rank. Under ``rank0`` rank 1 joins it
+    but records nothing; under ``all`` both ranks record the same rows. Neither hangs.
     """
     results = _run(_record_worker, tmp_path, policy)
+    # six sharded tensors, one collective, on both ranks; the whole tensors need none
+    assert [r["collectives"] for r in results] == [1, 1]
     _assert_whole(results[0]["rows"])
     assert results[0]["ids"] == [0, 1]
     if policy == "rank0":
-        assert results[1] == {"ids": [None, None], "rows": {}}
+        assert (results[1]["ids"], results[1]["rows"]) == ([None, None], {})
     else:  # the whole tensors' own subsamples differ by rank: their generators moved apart
         sharded = [{k: v for k, v in r["rows"].items() if k.endswith("/weight")} for r in results]
         assert sharded[1] == sharded[0]
@@ -149,13 +173,16 @@ def _fsdp_worker(rank: int, folder: str, policy: str) -> None:
         }
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sink = RecordingSink()
+        collectives: list[int] = []
         with inject_observer(
             model, sink=sink, sampler=AlwaysSampler(), optimizer=optimizer, rank_policy=policy
         ):
             for step in range(2):
                 x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step + rank))
                 model(x).square().mean().backward()
-                optimizer.step()
+                with _counting_all_gathers() as calls:
+                    optimizer.step()
+                collectives.append(len(calls))
                 optimizer.zero_grad()
         steps = [s for s in sink.samples if any(str(r.signal) == "parameter" for r in s.rows)]
         rows = {
@@ -170,7 +197,7 @@ def _fsdp_worker(rank: int, folder: str, policy: str) -> None:
             expected[f"{name}/max"] = values.max().item()
             expected[f"{name}/l2_norm"] = torch.linalg.vector_norm(values).item()
             expected[f"{name}/p50"] = values.quantile(0.5).item()
-        result = {"rows": rows, "expected": expected}
+        result = {"rows": rows, "expected": expected, "collectives": collectives}
         pathlib.Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -185,10 +212,13 @@ def test_fully_shard_parameters_are_measured_whole_through_the_optimizer(
 
     The first recorded step's parameters (before its update) are the initial ones: mean, max,
     l2_norm and the median equal those of ``full_tensor()`` (exact quartiles: every parameter
-    has fewer than 32,768 entries). Under ``rank0`` rank 1 joins each step's collective and
-    writes nothing; under ``all`` both ranks write the same values. No hang either way.
+    has fewer than 32,768 entries). Each sampled optimizer step runs one collective for all its
+    sharded tensors. Under ``rank0`` rank 1 joins each step's collective and writes nothing;
+    under ``all`` both ranks write the same values. No hang either way.
     """
     results = _run(_fsdp_worker, tmp_path, policy)
+    # each sampled step: one collective for its 4 parameters x 4 signals, on every rank
+    assert [r["collectives"] for r in results] == [[1, 1], [1, 1]]
     for rank, result in enumerate(results):
         if policy == "rank0" and rank == 1:
             assert result["rows"] == {}
