@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from torchinstruments_core import AlwaysSampler, ObservationWarning, StatRow, inject_observer
+from torchinstruments_core.reducers import DEFAULT_METRICS
 from torchinstruments_core.testing import RecordingSink
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ def test_an_odd_output_never_stops_a_training_step(name: str) -> None:
     assert [w.category for w in caught] == ([ObservationWarning] if warns else [])
     _assert_strict(sink.rows)
     odd = [row for row in sink.rows if (row.layer, row.signal, row.tensor_path) == ODD_SITE]
-    assert len(odd) == 11
+    assert len(odd) == len(DEFAULT_METRICS)
     if reason is None:
         assert all(row.value is not None for row in odd), odd
     else:
@@ -167,7 +168,7 @@ def test_an_odd_output_warns_as_an_observation_warning_once() -> None:
     observer.remove()
     assert len(caught) == 1
     odd = [r for r in sink.rows if (r.layer, r.signal, r.tensor_path) == ODD_SITE]
-    assert len(odd) == 3 * 11
+    assert len(odd) == 3 * len(DEFAULT_METRICS)
     assert {r.unavailable_reason for r in odd} == {
         "reducer_error: RuntimeError: metadata unavailable"
     }

@@ -60,6 +60,7 @@ SURFACES: dict[str, list[str]] = {
         "default_reducers",
         "inject_observer",
         "leaf_modules",
+        "precision_reducers",
         "remove_observer",
     ],
     "torchinstruments_core.adapter": [
@@ -79,12 +80,17 @@ SURFACES: dict[str, list[str]] = {
         "run_folder",
     ],
     "torchinstruments_core.reducers": [
+        "DEFAULT_METRICS",
+        "FORMATS",
+        "FloatFormat",
         "HistogramReducer",
         "MomentsReducer",
+        "PrecisionReducer",
         "PreparedTensor",
         "QuantileReducer",
         "Reducer",
         "default_reducers",
+        "precision_reducers",
         "working_dtype",
     ],
     "torchinstruments_core.routing": [

@@ -11,6 +11,7 @@ import torch
 
 from torchinstruments_core import ConfigurationError, inject_observer
 from torchinstruments_core.reducers import (
+    DEFAULT_METRICS,
     HistogramReducer,
     MomentsReducer,
     PreparedTensor,
@@ -91,10 +92,18 @@ def _reference_moments(array: np.ndarray) -> list[float]:
     finite = array[np.isfinite(array)]
     fractions = [float(np.mean(array == 0)), float(np.mean(~np.isfinite(array)))]
     if finite.size == 0:
-        return [math.nan] * 4 + fractions + [math.nan] * 2
-    rms = float(np.sqrt(np.mean(finite**2)))
+        return [math.nan] * 4 + fractions + [math.nan] * 3
+    # divided by the largest magnitude first, so the float64 squares neither overflow nor vanish
+    top = float(np.abs(finite).max()) or 1.0
+    rms = float(np.sqrt(np.mean((finite / top) ** 2)) * top)
+    l2_norm = float(np.sqrt(np.sum((finite / top) ** 2)) * top)
     stats = [finite.mean(), finite.std(), finite.min(), finite.max()]
-    return [float(value) for value in stats] + [*fractions, rms, float(np.abs(finite).max())]
+    return [float(value) for value in stats] + [
+        *fractions,
+        rms,
+        float(np.abs(finite).max()),
+        l2_norm,
+    ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -306,12 +315,13 @@ def test_reducers_follow_the_protocol() -> None:
     assert repr(MomentsReducer()) == "MomentsReducer()"
 
 
-def test_default_reducers_give_the_eleven_metrics() -> None:
-    """The default reducers produce exactly the eleven documented metric names."""
+def test_default_reducers_give_the_twelve_metrics() -> None:
+    """The default reducers produce exactly the twelve documented names, as ``DEFAULT_METRICS``."""
     names = [name for reducer in default_reducers() for name in reducer.metrics]
     documented = ["mean", "std", "min", "max", "p25", "p50", "p75"]
-    documented += ["zero_fraction", "nonfinite_fraction", "rms", "max_abs"]
+    documented += ["zero_fraction", "nonfinite_fraction", "rms", "max_abs", "l2_norm"]
     assert sorted(names) == sorted(documented)
+    assert tuple(names) == DEFAULT_METRICS
 
 
 def test_histogram_reducer_packs_and_unpacks() -> None:
@@ -621,7 +631,8 @@ def test_moments_at_the_ends_of_the_float_range(
     """Entries whose squares or sums overflow or underflow float32 get accurate moments.
 
     On the CPU shortcut and on the masked path accelerators run, against numpy in float64:
-    every statistic finite (the scale is a power of two found on the device, no host read).
+    every statistic finite (the scale is a power of two found on the device, no host read),
+    except an ``l2_norm`` whose true value is past float32's largest float.
     """
     generator = torch.Generator().manual_seed(21)
     values = (torch.rand(50_001, generator=generator, dtype=torch.float64) * 1.6 - 0.6) * magnitude
@@ -632,8 +643,13 @@ def test_moments_at_the_ends_of_the_float_range(
     prepared = _prepare(tensor) if path == "host" else _prepare_device_path(tensor)
     result = moments(prepared, chunk_size=16_384).to(torch.float64).numpy()
     expected = _reference_moments(_as_float64(tensor))
-    spacing = 2 * torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
-    assert np.isfinite(result).all()
+    info = torch.finfo(torch.float32)
+    spacing = 2 * info.smallest_normal * info.eps
+    l2_at = MOMENT_METRICS.index("l2_norm")
+    if expected[l2_at] > info.max:  # a norm past float32 is infinite, as vector_norm's is
+        assert result[l2_at] == math.inf
+        expected[l2_at] = math.inf
+    assert np.isfinite(np.delete(result, l2_at)).all()
     np.testing.assert_allclose(result, expected, rtol=2e-6, atol=spacing)
 
 

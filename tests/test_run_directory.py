@@ -22,6 +22,7 @@ from torchinstruments_core import (
     inject_observer,
 )
 from torchinstruments_core._exceptions import RunDirectoryExistsError
+from torchinstruments_core.reducers import DEFAULT_METRICS
 from torchinstruments_core.run_directory import QUERIES, QUERY_PRELUDE, RunDirectorySink
 
 
@@ -84,7 +85,9 @@ def test_history_has_the_fixed_schema(finished_run: pathlib.Path) -> None:
             "unavailable_reason": pl.String,
         }
     )
-    assert history.height == 6 * 3 * 2 * 11  # samples x layers x signals x metrics
+    assert history.height == 6 * 3 * 2 * len(
+        DEFAULT_METRICS
+    )  # samples x layers x signals x metrics
     assert (
         history.filter(
             pl.col("value").is_null() != pl.col("unavailable_reason").is_not_null()

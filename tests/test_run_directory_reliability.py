@@ -33,6 +33,7 @@ from torchinstruments_core import (
     inject_observer,
 )
 from torchinstruments_core._exceptions import RunDirectoryExistsError
+from torchinstruments_core.reducers import DEFAULT_METRICS
 from torchinstruments_core.run_directory import (
     RunDirectorySink,
     escape_text,
@@ -43,7 +44,7 @@ from torchinstruments_core.run_directory import (
     samples_schema,
 )
 
-ROWS_PER_SAMPLE = 3 * 2 * 11  # Net: 3 layers that run, 2 signals, 11 metrics
+ROWS_PER_SAMPLE = 3 * 2 * len(DEFAULT_METRICS)  # Net: 3 layers that run, 2 signals
 
 
 class Net(nn.Module):

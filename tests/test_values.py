@@ -34,6 +34,7 @@ METRICS = (
     "nonfinite_fraction",
     "rms",
     "max_abs",
+    "l2_norm",
     "p25",
     "p50",
     "p75",
@@ -64,6 +65,12 @@ def _train(model: nn.Module, *, steps: int) -> None:
         model(torch.randn(2, 2)).sum().backward()
 
 
+def _scaled_norm(finite: np.ndarray) -> float:
+    """``sqrt(sum(x**2))`` in float64, divided by the largest magnitude first: no overflow."""
+    top = float(np.abs(finite).max())
+    return math.sqrt(((finite / top) ** 2).sum()) * top if top else 0.0
+
+
 def _reference(x: np.ndarray) -> dict[str, float]:
     finite = x[np.isfinite(x)]
     return {
@@ -75,6 +82,7 @@ def _reference(x: np.ndarray) -> dict[str, float]:
         "nonfinite_fraction": float((~np.isfinite(x)).mean()),
         "rms": math.sqrt((finite**2).mean()),
         "max_abs": np.abs(finite).max(),
+        "l2_norm": _scaled_norm(finite),
         "p25": np.quantile(finite, 0.25),
         "p50": np.quantile(finite, 0.5),
         "p75": np.quantile(finite, 0.75),
@@ -83,7 +91,7 @@ def _reference(x: np.ndarray) -> dict[str, float]:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_every_metric_agrees_with_a_float64_reference(dtype: torch.dtype) -> None:
-    """All eleven metrics of an output, through the engine, match numpy in float64."""
+    """All twelve metrics of an output, through the engine, match numpy in float64."""
     x = (torch.randn(257, 33, dtype=torch.float64) * 3 + 1).to(dtype)
     x[0, :5] = 0
     x[1, 0], x[1, 1], x[1, 2] = float("nan"), float("inf"), float("-inf")
@@ -110,7 +118,7 @@ def test_tensors_that_cannot_be_reduced_give_nulls_with_a_reason(
 ) -> None:
     """Empty, integer, bool, sparse and meta tensors: every metric null with its reason."""
     rows = _observe(value)
-    assert [r.metric for r in rows] == [*list(METRICS[:8]), "p25", "p50", "p75"]
+    assert [r.metric for r in rows] == list(METRICS)
     assert {(r.value, r.unavailable_reason) for r in rows} == {(None, reason)}
 
 
@@ -121,7 +129,7 @@ def test_no_finite_entries_gives_null_statistics_and_real_fractions() -> None:
     )
     assert rows["nonfinite_fraction"].value == 1.0
     assert rows["zero_fraction"].value == 0.0
-    for metric in ("mean", "std", "min", "max", "rms", "max_abs", "p25", "p50", "p75"):
+    for metric in ("mean", "std", "min", "max", "rms", "max_abs", "l2_norm", "p25", "p50", "p75"):
         assert rows[metric].value is None
         assert rows[metric].unavailable_reason == "no_finite_values"
 
@@ -130,7 +138,8 @@ def test_all_zeros() -> None:
     """A tensor of zeros: zero_fraction 1, every statistic 0 (a real zero, not a made-up one)."""
     rows = _by_metric(_observe(torch.zeros(10, 10)))
     assert rows["zero_fraction"].value == 1.0
-    assert {rows[m].value for m in ("mean", "std", "min", "max", "rms", "max_abs", "p50")} == {0.0}
+    zeros = ("mean", "std", "min", "max", "rms", "max_abs", "l2_norm", "p50")
+    assert {rows[m].value for m in zeros} == {0.0}
 
 
 def test_value_is_null_exactly_when_a_reason_is_given_and_never_nan() -> None:
@@ -288,14 +297,19 @@ def _exact_reference(x: np.ndarray) -> dict[str, float]:
     entries = [Fraction(float(v)) for v in x]
     mean = sum(entries, Fraction(0)) / len(entries)
     variance = sum(((e - mean) ** 2 for e in entries), Fraction(0)) / len(entries)
-    square_mean = sum((e * e for e in entries), Fraction(0)) / len(entries)
+    squares = sum((e * e for e in entries), Fraction(0))
     with localcontext() as context:
         context.prec = 40
 
         def sqrt(value: Fraction) -> float:
             return float((Decimal(value.numerator) / Decimal(value.denominator)).sqrt())
 
-        return {"mean": float(mean), "std": sqrt(variance), "rms": sqrt(square_mean)}
+        return {
+            "mean": float(mean),
+            "std": sqrt(variance),
+            "rms": sqrt(squares / len(entries)),
+            "l2_norm": sqrt(squares),
+        }
 
 
 @pytest.mark.parametrize(("dtype", "magnitude"), EDGE_CASES)
@@ -305,8 +319,10 @@ def test_every_finite_tensor_gets_finite_statistics(
 ) -> None:
     """Entries near the largest or smallest floats still give every statistic, to rounding.
 
-    Mean, std and rms are checked against an exact (fraction) reference of the entries as given,
-    also with a NaN and an infinity among them (the masked path accelerators run).
+    Mean, std, rms and l2_norm are checked against an exact (fraction) reference of the entries
+    as given, also with a NaN and an infinity among them (the masked path accelerators run).
+    The one exception is an ``l2_norm`` past the working dtype's largest float (float32 entries
+    near 3e38): it is infinite, as ``torch.linalg.vector_norm``'s, so null with its reason.
     """
     generator = torch.Generator().manual_seed(3)
     x = (torch.rand(3001, generator=generator, dtype=torch.float64) * 1.6 - 0.6) * magnitude
@@ -322,6 +338,9 @@ def test_every_finite_tensor_gets_finite_statistics(
     working = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)
     spacing = 2 * working.smallest_normal * working.eps  # results below it round to subnormals
     for metric, value in expected.items():
+        if metric == "l2_norm" and value > working.max:  # the true norm is past the dtype
+            assert rows[metric].unavailable_reason == "non_finite_result"
+            continue
         assert rows[metric].unavailable_reason is None, (metric, rows[metric])
         assert rows[metric].value == pytest.approx(value, rel=tolerance, abs=spacing), metric
 
@@ -331,6 +350,8 @@ def test_values_at_the_top_of_the_float32_range() -> None:
     top = torch.finfo(torch.float32).max
     x = torch.tensor([top, -top, top, top, -top])
     rows = _by_metric(_observe(x))
+    # sqrt(5) * top is past float32: the one metric that cannot be held
+    assert rows.pop("l2_norm").unavailable_reason == "non_finite_result"
     assert all(row.unavailable_reason is None for row in rows.values())
     assert rows["mean"].value == pytest.approx(top / 5)
     assert rows["rms"].value == pytest.approx(top)

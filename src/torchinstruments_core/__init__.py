@@ -34,6 +34,7 @@ from torchinstruments_core.reducers import (
     QuantileReducer,
     Reducer,
     default_reducers,
+    precision_reducers,
 )
 from torchinstruments_core.samplers import (
     AlwaysSampler,
@@ -80,5 +81,6 @@ __all__ = [
     "default_reducers",
     "inject_observer",
     "leaf_modules",
+    "precision_reducers",
     "remove_observer",
 ]

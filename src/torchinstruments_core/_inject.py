@@ -86,8 +86,10 @@ def inject_observer(
         sampler: Which root forwards are sampled, e.g. ``EveryNForwardsSampler(100)``.
         selector: ``(name, module) -> bool`` choosing the observed modules (default
             ``leaf_modules()``). Names are the model's own, without wrapper attributes.
-        reducers: Scalar reducers (default ``default_reducers()``: mean, std, min, max, p25, p50,
-            p75, zero_fraction, nonfinite_fraction, rms, max_abs).
+        reducers: Scalar reducers (default ``default_reducers()``, whose metrics are
+            ``reducers.DEFAULT_METRICS``: mean, std, min, max, zero_fraction,
+            nonfinite_fraction, rms, max_abs, l2_norm, p25, p50, p75). Add
+            ``precision_reducers()`` for kurtosis and the fp8/fp16/bf16 range fractions.
         output_dir: Folder of the run directory (default ``"telemetry"``). Not together with
             ``sink``. Checked now: made absolute (a later ``os.chdir`` does not move it), created
             and probed for writing; it must hold no run, no file a run writes, no link in their

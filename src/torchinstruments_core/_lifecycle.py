@@ -108,6 +108,8 @@ class SampleLifecycle:
             profiler=self._profiler,
         )
         self._steps = StepRecorder(config.measurer, failures)
+        self._joining: set[int] = set()  # records of a rank that does not observe (see open_step)
+        self.joins_steps = False  # sharded parameters: sampled steps open records on every rank
         # Told of each sample opened with gradients enabled (its optimizer step may be recorded).
         self.on_training_sample: Callable[[int | None], None] = _ignore
         pre_hooks = config.record_inputs or config.profile
@@ -133,10 +135,13 @@ class SampleLifecycle:
         index = self._forward_index
         self._forward_index += 1
         self.training_forwards += is_grad_enabled()
-        if self._gate.admits() and self._plan.samples(index):
-            self._start(self._plan.step)
-            if self._root_inputs and self._root_layer is not None:
-                self._on_input(self._root_layer, args, kwargs or {})
+        if self._gate.admits():
+            if self._plan.samples(index):
+                self._start(self._plan.step)
+                if self._root_inputs and self._root_layer is not None:
+                    self._on_input(self._root_layer, args, kwargs or {})
+        elif self.joins_steps and self._plan.samples(index) and is_grad_enabled():
+            self.on_training_sample(self._plan.step)  # its step record joins the collectives
 
     def on_root_exit(self, output: Any) -> None:
         """A root forward ends (``output`` is ``None`` if it raised): its sample's forward ends."""
@@ -249,26 +254,36 @@ class SampleLifecycle:
     ) -> int | None:
         """Measure one optimizer step's tensors into a step record and deliver it like a sample.
 
+        Every rank of a sharded tensor's group must call it for the same steps: a rank that
+        does not observe measures its shards and joins the collective, and records nothing.
+
         Returns:
             The record's id, from the samples' sequence; ``None`` when nothing was recorded (a
             rank that does not observe, or after removal).
         """
-        record = self.open_step(step)
+        record = self.open_step(step, joins=True)
         if record is None:
             return None
+        joining = id(record) in self._joining
         self.measure_step(record, tensors)
         self.deliver_step(record)
-        return record.sample_id
+        return None if joining else record.sample_id
 
-    def open_step(self, step: int | None, note: str | None = None) -> Sample | None:
+    def open_step(
+        self, step: int | None, note: str | None = None, *, joins: bool = False
+    ) -> Sample | None:
         """A new step record with the next id, or ``None`` (a rank that does not observe, removal).
 
         Measure into it with ``measure_step``, then hand it on with ``deliver_step``; ``note``
-        is its ``SampleRecord.note``.
+        is its ``SampleRecord.note``. With ``joins`` a rank that does not observe gets a record
+        that writes nothing: it measures only sharded tensors and joins the collectives that
+        combine them (see ``_sharded``), so the observing ranks never wait for it in vain.
         """
         self._gate.resolve()
-        if self.removed or not self._gate.enabled:
+        if self.removed:
             return None
+        if not self._gate.enabled:
+            return self._joining_record(step) if joins else None
         started = time.perf_counter()
         self._delivery.drain(wait=False)
         self._sink.open()
@@ -279,12 +294,24 @@ class SampleLifecycle:
         record.duration_s += time.perf_counter() - started
         return record
 
+    def _joining_record(self, step: int | None) -> Sample:
+        record = self._steps.open(-1, step)
+        self._joining.add(id(record))
+        return record
+
     def measure_step(self, record: Sample, tensors: Iterable[StepTensor | StepScalars]) -> None:
         """Reduce ``tensors`` into the open step record ``record``, on their devices."""
-        self._steps.measure(record, tensors)
+        self._steps.measure(record, tensors, writes=id(record) not in self._joining)
 
     def deliver_step(self, record: Sample) -> None:
-        """Close the step record: its values start crossing to the host, then reach the sink."""
+        """Close the step record: its values start crossing to the host, then reach the sink.
+
+        Its sharded tensors are combined across ranks first, one collective per process group.
+        """
+        self._steps.combine(record)
+        if id(record) in self._joining:
+            self._joining.discard(id(record))
+            return
         record.closed = True  # complete: nothing joins it on its way to the host
         self._delivery.push(record)
         self._delivery.drain(wait=False)

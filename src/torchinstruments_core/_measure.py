@@ -130,7 +130,7 @@ class Measurer:
             if scale is not None:  # in the working dtype: fp16 would underflow
                 plain = plain.to(working_dtype(plain.dtype))
                 plain = plain / _on_device(scale, plain)
-            prepared = PreparedTensor(plain, self._generator(plain.device), self._index_cache)
+            prepared = PreparedTensor(plain, self.generator(plain.device), self._index_cache)
             _ = prepared.n_finite  # reads every entry: a tensor that cannot be read fails here
         return prepared
 
@@ -153,7 +153,8 @@ class Measurer:
         except Exception as error:
             measurement.errors.append(error)
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The private random generator of ``device``, seeded once (never the model's)."""
         generator = self._generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device)

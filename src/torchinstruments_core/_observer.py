@@ -40,6 +40,7 @@ from torchinstruments_core._rank_gate import RankGate
 from torchinstruments_core._records import RunInfo
 from torchinstruments_core._registry import forget
 from torchinstruments_core._scale import GradientScaleReader
+from torchinstruments_core._sharded import holds_shards
 from torchinstruments_core._sink_session import SinkSession
 from torchinstruments_core._step_window import StepWindow
 
@@ -252,12 +253,25 @@ class Observer:
         README ("Optimizer step signals"). A wrapper with a public ``optimizer`` attribute
         (Accelerate's) is unwrapped.
 
+        Sharded parameters (``DTensor``, FSDP's ``fully_shard``) are measured whole: every rank
+        reduces its shard and one collective per recorded step combines them (``_sharded``).
+        So on a rank that does not observe (``rank_policy="rank0"``) the optimizer is watched
+        too: its sampled steps join the collective and write nothing. Every rank must then
+        sample the same steps (a step-based sampler, or an adapter's ``begin_step``).
+
         Raises:
             ConfigurationError: ``optimizer`` is not a ``torch.optim.Optimizer``.
         """
         (checked,) = check_optimizers([optimizer])
-        if self._samples.removed or not self._gate.enabled or self._model is None:
+        if self._samples.removed or self._model is None:
             return
+        if not self._gate.enabled:
+            if not holds_shards(checked):
+                return
+            # a rank that does not observe follows the sampled steps to join their collectives:
+            # the root hooks only (no module is ever armed here), placed once
+            if not self._optimizers.watching:
+                self._samples.attachment.attach()
         self._optimizers.watch(checked, self._model, self._layers)
 
     def flush(self) -> None:

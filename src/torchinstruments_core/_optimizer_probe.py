@@ -22,6 +22,7 @@ import torch
 
 from torchinstruments_core._exceptions import ConfigurationError
 from torchinstruments_core._records import STEP_SKIPPED
+from torchinstruments_core._sharded import holds_shards
 from torchinstruments_core._signals import RecordKind, Signal, signals_of
 from torchinstruments_core._step_tensors import (
     ParameterMap,
@@ -114,6 +115,11 @@ class OptimizerProbe:
         self._stepping = False  # between a claimed pre-hook and its post-hook
         self._sampled_step: int | None = None  # the step in progress, when announced sampled
 
+    @property
+    def watching(self) -> bool:
+        """Whether some optimizer is watched."""
+        return bool(self._watched)
+
     def watch(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, layers: list[Layer]
     ) -> None:
@@ -133,6 +139,9 @@ class OptimizerProbe:
         ]
         self._watched[id(optimizer)] = (weakref.ref(optimizer), handles)
         first = not self._window.watching
+        if holds_shards(optimizer):
+            # every rank opens the sampled steps' records: they combine shards collectively
+            self._lifecycle.joins_steps = True
         self._window.watching = bool(self._signals)
         self._lifecycle.on_training_sample = self.sampled
         if first and self._sampled_step is not None:
@@ -182,7 +191,7 @@ class OptimizerProbe:
 
     def _before(self, optimizer: torch.optim.Optimizer, step: int | None) -> None:
         self._finish(id(optimizer))  # a step that raised before its post-hook
-        record = self._lifecycle.open_step(step)
+        record = self._lifecycle.open_step(step, joins=self._lifecycle.joins_steps)
         if record is None or self._parameters is None:
             return
         pending = self._pending[id(optimizer)] = _Pending(record, [])

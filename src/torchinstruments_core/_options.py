@@ -97,7 +97,8 @@ class TelemetryOptions:
         scalar_layers: Whose scalars are routed: ``"focus"`` (the focus layers), ``"all"``, or
             glob patterns of layer names.
         selector: Which modules are observed (default: every leaf module).
-        reducers: Scalar reducers (default: the eleven metrics of ``default_reducers()``).
+        reducers: Scalar reducers (default: the metrics of ``reducers.DEFAULT_METRICS``, from
+            ``default_reducers()``; add ``precision_reducers()`` for fp8/fp16/bf16 range).
         focus_selector: Which observed modules are the focus layers, whose histograms and
             scalars go to the loggers. Default: modules with parameters of their own, spread
             over the model's depth (first and last included) and always the one with the most

@@ -4,9 +4,10 @@ The reducers work on plain ``torch.Tensor``s. Module outputs and gradients can b
 
 - a nested tensor (strided or jagged layout): its entries are the entries of its components;
 - a ``DTensor``: with every placement ``Replicate`` its local tensor is the whole tensor; with a
-  ``Shard`` placement the local tensor is this rank's shard, and that is what is measured (a
-  rank never communicates from inside a hook: under ``rank_policy="rank0"`` the other ranks
-  would never join the collective); with a ``Partial`` placement the local tensor is an
+  ``Shard`` placement the local tensor is this rank's shard, and that is what a forward sample
+  measures (a rank never communicates from inside a hook: under ``rank_policy="rank0"`` the
+  other ranks would never join the collective); a step record's sharded tensors are combined
+  across ranks instead (``_sharded``); with a ``Partial`` placement the local tensor is an
   unreduced summand, so there is no value (``partial_dtensor``);
 - another wrapper subclass (``__torch_dispatch__``, e.g. ``TwoTensor`` or a quantized tensor):
   what its entries are is the subclass's own business, so there is no value
@@ -108,6 +109,13 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     module = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(module, "DTensor", None)
     return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def dtensor_placements(tensor: torch.Tensor) -> tuple[object, ...] | None:
+    """The placements of a ``DTensor``, ``None`` for any other tensor (metadata only)."""
+    if type(tensor) is torch.Tensor or not _is_dtensor(tensor):
+        return None
+    return tuple(tensor.placements)  # type: ignore[attr-defined]
 
 
 def _dtensor_local(tensor: torch.Tensor) -> torch.Tensor | UnavailableReason:

@@ -37,6 +37,8 @@ class UnavailableReason(StrEnum):
     META_TENSOR = "meta_tensor"
     TENSOR_SUBCLASS = "tensor_subclass"
     PARTIAL_DTENSOR = "partial_dtensor"
+    SHARDED_TENSOR = "sharded_tensor"
+    """A reducer other than the moments and quartiles has no combination across shards."""
     NO_GRADIENT = "no_gradient"
     REDUCER_ERROR = "reducer_error"
 

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchinstruments_core._exceptions import ConfigurationError
-from torchinstruments_core._measure import Measurement, ReducerResult
+from torchinstruments_core._failures import REDUCER_CONSEQUENCE
+from torchinstruments_core._measure import Measurement, ReducerResult, reducer_error_reason
 from torchinstruments_core._probe import measure_site
 from torchinstruments_core._sample import Sample, Site
+from torchinstruments_core._sharded import ShardedBatch, is_sharded
 from torchinstruments_core._signals import RecordKind, Signal, signals_of
 
 if TYPE_CHECKING:
@@ -89,36 +91,82 @@ class StepScalars:
 class StepRecorder:
     """Measures the tensors of one optimizer step into a step record, on their devices.
 
+    A sharded tensor (a ``DTensor`` with a ``Shard`` placement) is reduced to this rank's partial
+    statistics; ``combine`` joins every rank's, for all of a record's sharded tensors at once,
+    with one collective per process group (see ``_sharded``). A record that does not write (a
+    rank that does not observe, ``writes=False``) measures only its sharded tensors, so that it
+    joins the collectives the observing ranks run.
+
     Args:
         measurer: Reduces each tensor, as it does the samples' tensors.
         failures: Where a failing reducer is reported.
     """
 
-    __slots__ = ("_failures", "_measurer")
+    __slots__ = ("_batches", "_failures", "_measurer")
 
     def __init__(self, measurer: Measurer, failures: FailureReport) -> None:
         self._measurer = measurer
         self._failures = failures
+        self._batches: dict[int, ShardedBatch] = {}
 
     def open(self, record_id: int, step: int | None) -> Sample:
         """A new, empty step record with id ``record_id`` for trainer step ``step``."""
         return Sample(record_id, step, time.time(), None, kind=RecordKind.STEP)
 
-    def measure(self, record: Sample, tensors: Iterable[StepTensor | StepScalars]) -> None:
+    def measure(
+        self,
+        record: Sample,
+        tensors: Iterable[StepTensor | StepScalars],
+        *,
+        writes: bool = True,
+    ) -> None:
         """Reduce each tensor into ``record`` (its values stay on the device until delivery)."""
         started = time.perf_counter()
         for item in tensors:
             site = Site(item.layer, 0, item.signal, item.name)
-            if isinstance(item, StepScalars):
-                record.add(site, _scalars(item))
+            if isinstance(item, StepTensor) and is_sharded(item.tensor):
+                record.add(site, self._partial(record, item, site))
+            elif not writes:
                 continue
-            measurement = measure_site(
-                self._measurer, self._failures, item.tensor, site, item.histogram, item.scale
-            )
-            if item.extra_metrics and measurement.reason is None:
-                _add_extra(measurement, item.extra_metrics)
-            record.add(site, measurement)
+            elif isinstance(item, StepScalars):
+                record.add(site, _scalars(item))
+            else:
+                measurement = measure_site(
+                    self._measurer, self._failures, item.tensor, site, item.histogram, item.scale
+                )
+                if item.extra_metrics and measurement.reason is None:
+                    _add_extra(measurement, item.extra_metrics)
+                record.add(site, measurement)
         record.duration_s += time.perf_counter() - started
+
+    def combine(self, record: Sample) -> None:
+        """Join the other ranks' partials of ``record``'s sharded tensors (collectives here)."""
+        batch = self._batches.pop(id(record), None)
+        if batch is None:
+            return
+        started = time.perf_counter()
+        try:
+            batch.combine()
+        except Exception as error:  # observing must never break the training step
+            self._failures.failed(
+                "combining sharded tensors across ranks", error, "sharded", REDUCER_CONSEQUENCE
+            )
+            batch.fail(reducer_error_reason(error))
+        record.duration_s += time.perf_counter() - started
+
+    def _partial(self, record: Sample, item: StepTensor, site: Site) -> Measurement:
+        batch = self._batches.setdefault(id(record), ShardedBatch())
+        try:
+            # extra metrics are per-shard ratios (update_to_weight): not those of the whole
+            # tensor, so a sharded tensor has none; no histogram either (see _sharded)
+            return batch.add(self._measurer, item.tensor, item.scale)
+        except Exception as error:
+            where = f"{site.layer} {site.signal} {site.tensor_path}"
+            self._failures.failed(
+                f"a sharded tensor failed on {where}", error, "sharded", REDUCER_CONSEQUENCE
+            )
+            reason = reducer_error_reason(error)
+            return Measurement(reason, self._measurer.metrics, errors=[error])
 
 
 def _scalars(item: StepScalars) -> Measurement:

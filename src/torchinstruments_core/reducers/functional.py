@@ -42,6 +42,7 @@ MOMENT_METRICS = (
     "nonfinite_fraction",
     "rms",
     "max_abs",
+    "l2_norm",
 )
 """Names of the values ``moments`` returns, in order."""
 
@@ -69,7 +70,7 @@ def _host_moments(prepared: PreparedTensor, chunk_size: int) -> torch.Tensor | N
     ``M2 = sum(x**2) - sum(x) * mean`` comes free with the summary's blocked dot products
     instead of a pass that writes the deviations and two that read them, and is accurate to
     ~1e-6 where the mean is not large against the spread; elsewhere (``mean**2 > 4 *
-    variance``) the squared deviations from the mean are summed chunk by chunk. The eight values
+    variance``) the squared deviations from the mean are summed chunk by chunk. The values
     become one tensor at the end instead of passing through a dozen scalar kernels. ``None``
     too where the entries are so large or so small that their squares need scaling
     (``_scaling.squares_are_safe``): ``moments`` then scales them.
@@ -101,6 +102,7 @@ def _host_moments(prepared: PreparedTensor, chunk_size: int) -> torch.Tensor | N
         0.0,
         math.sqrt(variance + mean * mean),
         max_abs,
+        math.sqrt(summary.squares),  # the blocked dot products: squares_are_safe bounds them
     ]
     return torch.tensor(values, dtype=prepared.values.dtype)
 
@@ -174,8 +176,12 @@ def moments(prepared: PreparedTensor, *, chunk_size: int = CHUNK_SIZE) -> torch.
     Returns:
         A tensor of ``len(MOMENT_METRICS)`` values in the working dtype, in the order of
         ``MOMENT_METRICS``: mean, population std, min, max, zero_fraction, nonfinite_fraction,
-        rms, max_abs. The fractions are over all entries (NaN is not a zero); the rest are over the
-        finite entries, and NaN when there are none.
+        rms, max_abs, l2_norm. The fractions are over all entries (NaN is not a zero); the rest
+        are over the finite entries, and NaN when there are none. ``l2_norm`` is
+        ``sqrt(sum(x**2))`` of the finite entries (what ``torch.nn.utils.clip_grad_norm_``
+        reports for one tensor), from the same partial sums as ``rms``: no extra pass. It is
+        infinite only where the true norm exceeds the working dtype's largest float (float32:
+        3.4e38), as ``torch.linalg.vector_norm``'s is.
 
     Raises:
         ValueError: If ``chunk_size`` is not positive.
@@ -201,6 +207,10 @@ def moments(prepared: PreparedTensor, *, chunk_size: int = CHUNK_SIZE) -> torch.
     bound = max_abs * scale
     mean = torch.minimum(torch.maximum(mean, lo * scale), hi * scale)
     variance = m2 / size.to(dtype)
+    # sum(x**2) = M2 + n * mean**2, in the scaled domain where it cannot overflow; between
+    # max_abs and sqrt(n) * max_abs, and only the division by scale can pass the largest float
+    l2_norm = (m2 + size.to(dtype) * mean.square()).sqrt()
+    l2_norm = torch.minimum(torch.maximum(l2_norm, bound), bound * size.to(dtype).sqrt())
     present = size > 0
     lo, hi, max_abs = (torch.where(present, value, math.nan) for value in (lo, hi, max_abs))
     return torch.stack(
@@ -213,6 +223,7 @@ def moments(prepared: PreparedTensor, *, chunk_size: int = CHUNK_SIZE) -> torch.
             (prepared.numel - prepared.n_finite).to(dtype) / prepared.numel,
             torch.minimum((variance + mean.square()).sqrt(), bound) / scale,
             max_abs,
+            l2_norm / scale,
         ]
     )
 

@@ -15,10 +15,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class MomentsReducer:
-    """Mean, std, min, max, rms and max_abs of the finite entries, and two fractions of all entries.
+    """Mean, std, min, max, rms, max_abs and l2_norm of the finite entries, two fractions of all.
 
     Metrics, in order: ``mean``, ``std`` (population), ``min``, ``max``, ``zero_fraction``,
-    ``nonfinite_fraction``, ``rms``, ``max_abs``. See ``functional.moments``.
+    ``nonfinite_fraction``, ``rms``, ``max_abs``, ``l2_norm`` (``sqrt(sum(x**2))``, the number
+    ``clip_grad_norm_`` reports). See ``functional.moments``.
     """
 
     @property
@@ -27,5 +28,5 @@ class MomentsReducer:
         return MOMENT_METRICS
 
     def reduce(self, tensor: PreparedTensor) -> torch.Tensor:
-        """Return the eight statistics as a 1-D tensor on ``tensor.device``."""
+        """Return the nine statistics as a 1-D tensor on ``tensor.device``."""
         return moments(tensor)

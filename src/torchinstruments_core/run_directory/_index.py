@@ -70,10 +70,15 @@ completed by `python -m torchinstruments_core.run_directory repair` after a cras
 
 _METRICS = """\
 Statistics describe the finite entries of a tensor; the two fractions describe the whole tensor.
-`mean`, `std` (population), `min`, `max`, `rms`, `max_abs`; `p25`, `p50`, `p75` (from a uniform
-random subsample of 32,768 entries for larger tensors: rank error below 0.015 with probability
-above 0.999999); `zero_fraction`, `nonfinite_fraction` (NaN and ±Inf).
+`mean`, `std` (population), `min`, `max`, `rms`, `max_abs`, `l2_norm` (`sqrt(sum(x**2))`, what
+`clip_grad_norm_` reports for one tensor); `p25`, `p50`, `p75` (from a uniform random subsample
+of 32,768 entries for larger tensors: rank error below 0.015 with probability above 0.999999);
+`zero_fraction`, `nonfinite_fraction` (NaN and ±Inf).
 `max_abs / rms` large means outlier-dominated ranges (int8/fp8 quantization risk).
+Opt-in (`precision_reducers()`): `kurtosis` (excess, 0 for a normal distribution) and, for
+`bf16`, `fp16`, `fp8_e4m3`, `fp8_e5m2`, `<format>_overflow_fraction` (finite entries beyond the
+format's largest finite value) and `<format>_underflow_fraction` (non-zero entries below its
+smallest subnormal), over all entries.
 Step records add: `update_to_weight` on `update` rows (rms(update) / rms(parameter before the
 step)); `gradient_rms_ratio` on Adam-family `<name>.exp_avg_sq` rows (rms(g / sqrt(v_hat)), v_hat
 the bias-corrected second moment, floored at eps**2); on the whole-model rows (`layer` `<model>`,
