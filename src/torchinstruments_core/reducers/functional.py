@@ -26,6 +26,7 @@ from torchinstruments_core.reducers._binning import (
     split_histogram,
 )
 from torchinstruments_core.reducers._scaling import power_of_two_scale, squares_are_safe
+from torchinstruments_core.reducers._select import order_statistics
 from torchinstruments_core.reducers.base import CHUNK_SIZE
 
 if TYPE_CHECKING:
@@ -303,7 +304,7 @@ def quantiles(
     _check_quantile_args(qs, sample_size)
     sample, mask = _quantile_sample(prepared, sample_size, exact)
     if mask is None and prepared.all_finite:  # only ever true on the CPU
-        return _host_quantiles(_sort(sample), qs)
+        return _host_quantiles(sample, qs)
     if mask is None:
         n_finite = torch.full((), sample.numel(), dtype=torch.int64, device=sample.device)
         keyed = sample
@@ -313,20 +314,22 @@ def quantiles(
     return _interpolate(_sort(keyed), n_finite, qs)
 
 
-def _host_quantiles(ordered: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
-    """``_interpolate`` of a sorted, all-finite CPU tensor, with the positions in Python.
+def _host_quantiles(sample: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
+    """``_interpolate`` of an all-finite CPU tensor, with the positions in Python.
 
-    The same floats as ``_interpolate`` (float64 positions, the lerp in the working dtype),
-    without its dozen small kernels per tensor.
+    The same floats as ``_interpolate`` of the sorted tensor (float64 positions, the lerp in the
+    working dtype), without its dozen small kernels per tensor, and without the sort: only the
+    two entries around each position are selected (``_select.order_statistics``).
     """
-    values = ordered.numpy()
+    values = sample.contiguous().numpy()
     last = values.size - 1
+    positions = [last * q for q in qs]
+    belows = [min(math.floor(position), last) for position in positions]
+    ordered = order_statistics(values, [*belows, *(min(b + 1, last) for b in belows)])
     result = []
-    for q in qs:
-        position = last * q
-        below = min(math.floor(position), last)
+    for position, below in zip(positions, belows, strict=True):
         gamma = values.dtype.type(position - below)
-        low, high = values[below], values[min(below + 1, last)]
+        low, high = ordered[below], ordered[min(below + 1, last)]
         with np.errstate(over="ignore"):  # an overflowing span is handled below
             span = high - low
         if not np.isfinite(span):
@@ -335,7 +338,7 @@ def _host_quantiles(ordered: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
             result.append(half * 2)
         else:
             result.append(high - span * (1 - gamma) if gamma >= 0.5 else low + span * gamma)
-    return torch.tensor(result, dtype=ordered.dtype)
+    return torch.tensor(result, dtype=sample.dtype)
 
 
 def _sort(values: torch.Tensor) -> torch.Tensor:
