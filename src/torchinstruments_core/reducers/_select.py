@@ -26,7 +26,7 @@ _PILOT = 2048
 _SPREAD = 4.0
 """Half-width of a bracket in standard deviations of a pilot rank: it holds its entry but for
 an unlucky pilot (about once in 16,000 brackets for a random pilot)."""
-_DIRECT = 4 * _PILOT
+_DIRECT = 8 * _PILOT
 """Below this many entries a plain partition is as fast as the pilot and its passes."""
 
 
