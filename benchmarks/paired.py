@@ -21,15 +21,17 @@ observed as ``inject_observer(torch.compile(model))``. With ``--device cuda`` ev
 with ``torch.cuda.synchronize()``, so a step's time includes its kernels, and memory comes from
 the CUDA allocator's own peak statistic.
 
-Reported per workload: the median plain step; each ratio as the median of the per-round ratios,
-with the interquartile range of those ratios; and the ratio amortized over the adapters'
-default cadence (one sampled step in 50), computed from the measured ratios as
-``(49 * unsampled + sampled) / 50``. The sampled step carries everything a sample costs on the
-training thread (hooks, reductions, the handover to the writer).
-
 The unsampled step's cost is below what whole steps can resolve here, so it is also timed
 directly: ``begin_step``, the root module's two hooks and ``end_step``, which is all an
 unsampled step runs, around a model that does nothing, against the same model unobserved.
+
+Reported per workload: the median plain step; each ratio as the median of the per-round ratios,
+with the interquartile range of those ratios; and the ratio amortized over the adapters'
+default cadence (one sampled step in 50), computed, not measured, as
+``(49 * (1 + u / plain) + sampled) / 50`` with ``u`` the directly timed unsampled cost and
+``sampled`` the median sampled ratio (whole unsampled steps scatter by several per cent here,
+more than the 1 % at stake). The sampled step carries everything a sample costs on the
+training thread (hooks, reductions, the handover to the writer).
 
 Then two more steps of each configuration run under the torch profiler
 (``testing.tensor_memory``), the second measured: its peak tensor memory above what was
@@ -62,6 +64,7 @@ CONFIGURATIONS = ("plain", "unsampled", "sampled")
 CADENCE = 50
 """The adapters' default ``every_n_steps``: one sampled step in 50."""
 SAMPLED_TARGET = 1.25
+AMORTIZED_TARGET = 1.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +85,14 @@ class WorkloadResult:
     unsampled: Ratio
     sampled: Ratio
 
-    @property
-    def amortized(self) -> float:
-        """The ratio of an average step when one step in ``CADENCE`` is sampled."""
-        return ((CADENCE - 1) * self.unsampled.median + self.sampled.median) / CADENCE
+    def amortized(self, unsampled_s: float) -> float:
+        """The ratio of an average step when one step in ``CADENCE`` is sampled.
+
+        Args:
+            unsampled_s: What the observer adds to an unsampled step, timed directly.
+        """
+        unsampled = 1 + unsampled_s / (self.plain_ms / 1000)
+        return ((CADENCE - 1) * unsampled + self.sampled.median) / CADENCE
 
 
 def _step(
@@ -106,7 +113,7 @@ def _step(
     return time.perf_counter() - started
 
 
-def _unsampled_cost(plain_step_s: float, repeats: int) -> None:
+def _unsampled_cost(repeats: int) -> float:
     """What the observer adds to an unsampled step, timed on a model that does nothing.
 
     An unsampled step runs ``begin_step``, the root module's two hooks and ``end_step``; no
@@ -131,12 +138,7 @@ def _unsampled_cost(plain_step_s: float, repeats: int) -> None:
 
     plain_s, observed_s = best(lambda: plain(example)), best(observed_step)
     observer.remove()
-    added = observed_s - plain_s
-    print(
-        f"\nunsampled step, observer's own time (begin_step, root hooks, end_step; best of 5 x "
-        f"{repeats}): {added * 1e6:.1f} us, {1 + added / plain_step_s:.6f}x of the fastest "
-        "workload's median plain step"
-    )
+    return max(observed_s - plain_s, 0.0)
 
 
 def _ratio(times: list[float], plain: list[float]) -> Ratio:
@@ -194,7 +196,9 @@ def _measure(
     return result, memory
 
 
-def _print_table(args: argparse.Namespace, results: list[WorkloadResult]) -> None:
+def _print_table(
+    args: argparse.Namespace, results: list[WorkloadResult], unsampled_s: float
+) -> None:
     """One row per workload: plain step, the ratios, and the targets."""
     quartiles = "exact quartiles" if args.exact_quartiles else "default profile"
     compiled = ", both models compiled (inductor)" if args.compile else ""
@@ -204,19 +208,27 @@ def _print_table(args: argparse.Namespace, results: list[WorkloadResult]) -> Non
     print(f"{platform.processor() or platform.machine()}{gpu}, torch {torch.__version__}\n")
     print(
         "| workload | plain step (ms) | unsampled, median of rounds (IQR) | sampled, median of "
-        f"rounds (IQR) | every {CADENCE} steps (computed) | sampled <= {SAMPLED_TARGET}x |"
+        f"rounds (IQR) | every {CADENCE} steps (computed) | sampled <= {SAMPLED_TARGET}x "
+        f"| every {CADENCE} <= {AMORTIZED_TARGET}x |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for result in results:
         u, s = result.unsampled, result.sampled
-        verdict = "met" if s.median <= SAMPLED_TARGET else "NOT met"
+        amortized = result.amortized(unsampled_s)
+        sampled_met = "met" if s.median <= SAMPLED_TARGET else "NOT met"
+        amortized_met = "met" if amortized <= AMORTIZED_TARGET else "NOT met"
         print(
             f"| {result.name} | {result.plain_ms:.1f} | {u.median:.3f}x ({u.q1:.3f}-{u.q3:.3f})"
-            f" | {s.median:.3f}x ({s.q1:.3f}-{s.q3:.3f}) | {result.amortized:.4f}x | {verdict} |"
+            f" | {s.median:.3f}x ({s.q1:.3f}-{s.q3:.3f}) | {amortized:.4f}x | {sampled_met} "
+            f"| {amortized_met} |"
         )
+    fastest = min(r.plain_ms for r in results) / 1000
+    print(
+        f"\nunsampled step, observer's own time (begin_step, root hooks, end_step; best of 5): "
+        f"{unsampled_s * 1e6:.1f} us, {1 + unsampled_s / fastest:.6f}x of the fastest plain step"
+    )
     for result in results:
-        print(f"\n{result.name}: {WORKLOADS[result.name].description}", end="")
-    print()
+        print(f"{result.name}: {WORKLOADS[result.name].description}")
 
 
 def _workloads(name: str, device: str) -> list[str]:
@@ -265,8 +277,7 @@ def main() -> None:
         results.append(result)
         if used is not None:
             memory[name] = used
-    _print_table(args, results)
-    _unsampled_cost(min(r.plain_ms for r in results) / 1000, args.probe_repeats)
+    _print_table(args, results, _unsampled_cost(args.probe_repeats))
     if memory:
         print_memory(memory)
 

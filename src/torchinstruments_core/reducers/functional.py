@@ -352,18 +352,19 @@ def _host_quantiles(sample: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
     positions = [last * q for q in qs]
     belows = [min(math.floor(position), last) for position in positions]
     ordered = order_statistics(values, [*belows, *(min(b + 1, last) for b in belows)])
+    float_type = values.dtype.type
     result = []
-    for position, below in zip(positions, belows, strict=True):
-        gamma = values.dtype.type(position - below)
-        low, high = ordered[below], ordered[min(below + 1, last)]
-        with np.errstate(over="ignore"):  # an overflowing span is handled below
+    with np.errstate(over="ignore"):  # an overflowing span is handled below
+        for position, below in zip(positions, belows, strict=True):
+            gamma = float_type(position - below)
+            low, high = ordered[below], ordered[min(below + 1, last)]
             span = high - low
-        if not np.isfinite(span):
-            half_low, half_high = low * values.dtype.type(0.5), high * values.dtype.type(0.5)
-            half = min(max(half_low + (half_high - half_low) * gamma, half_low), half_high)
-            result.append(half * 2)
-        else:
-            result.append(high - span * (1 - gamma) if gamma >= 0.5 else low + span * gamma)
+            if not np.isfinite(span):
+                half_low, half_high = low * float_type(0.5), high * float_type(0.5)
+                half = min(max(half_low + (half_high - half_low) * gamma, half_low), half_high)
+                result.append(half * 2)
+            else:
+                result.append(high - span * (1 - gamma) if gamma >= 0.5 else low + span * gamma)
     return torch.tensor(result, dtype=sample.dtype)
 
 
