@@ -1,9 +1,11 @@
 """The background writer: samples in through a bounded queue, immutable Parquet chunks out.
 
 The training thread only puts a finished sample on the queue; it waits on disk only when the
-queue is full. The writer thread turns samples into rows, writes a chunk when ``chunk_rows`` rows
-are buffered or ``flush_seconds`` have passed, each chunk written to a temporary file and renamed,
-so a reader (or a run killed mid-write) only ever sees complete chunks.
+queue is full. The writer thread turns each sample into a frame of rows as it arrives (Python
+work, so short holds of the GIL, one sample at a time) and writes a chunk, concatenated by
+Polars, when ``chunk_rows`` rows are buffered or ``flush_seconds`` have passed, each chunk
+written to a temporary file and renamed, so a reader (or a run killed mid-write) only ever sees
+complete chunks.
 
 Failures, and what they cost (every sample is either written or counted in ``Losses``):
 
@@ -278,6 +280,9 @@ class ChunkWriter:
                     consumer(sample)
                 except Exception as error:
                     self._consumer_failed(consumer, sample, error)
+            # a chunk's samples are folded in one by one (a millisecond or two each): between
+            # them the training thread takes the GIL at once instead of after a switch interval
+            time.sleep(0)
 
     def _consumer_failed(
         self, consumer: Callable[[SampleRecord], None], sample: SampleRecord, error: Exception
