@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from torchinstruments_core.reducers import _binning
-from torchinstruments_core.reducers._host_binning import host_histogram_counts
+from torchinstruments_core.reducers import _binning, _edges
+from torchinstruments_core.reducers._host_binning import host_grid, host_histogram_counts
 from torchinstruments_core.reducers.base import PreparedTensor
 
 
@@ -58,3 +58,36 @@ def test_host_histogram_matches_the_torch_grid_and_binning_bit_for_bit(dtype: to
                 values, float(values.min()), float(values.max()), bins, 2**15
             )
             assert torch.equal(host, _torch_path(values, bins)), (values[:4], bins)
+
+
+def test_edges_from_a_wrong_guess_equal_those_from_the_float64_estimate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The float32 edge guess only speeds the search: from guesses far off, the edges are the same.
+
+    The estimate worked back through the binning's roundings lands on the threshold itself
+    nearly always; a guess hundreds of floats away (what the nominal edge used to give near
+    zero) or at the grid's low end goes through the bracket search and finds the same edges.
+    """
+    rng = np.random.default_rng(11)
+    grids = []
+    for _ in range(40):
+        ends = rng.standard_normal(2) * 10 ** rng.uniform(-30, 30)
+        lo, hi = float(ends.min()), float(ends.max())
+        grid = host_grid(lo, hi, 64, np.float32)
+        grids.append((float(grid.lo), float(grid.hi), float(grid.scale)))
+    expected = [_edges.histogram_edges(*grid, 64) for grid in grids]
+    estimate = _edges._guess32
+    for shift in (300, -5000, 10**6):
+        monkeypatch.setattr(_edges, "_guess32", lambda f, t, s=shift: estimate(f, t) + s)
+        assert [_edges.histogram_edges(*grid, 64) for grid in grids] == expected
+    for lo, hi, _scale in grids:
+        values = rng.uniform(lo, hi, 5000).astype(np.float32)
+        counts = host_histogram_counts(
+            torch.from_numpy(values), values.min(), values.max(), 64, 2**15
+        )
+        packed = counts.tolist()
+        edges = _edges.histogram_edges(*packed[:3], 64)
+        assert (
+            np.histogram(values, bins=np.array(edges, dtype=np.float32))[0].tolist() == packed[3:67]
+        )
