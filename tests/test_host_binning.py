@@ -84,10 +84,10 @@ def test_edges_from_a_wrong_guess_equal_those_from_the_float64_estimate(
     for lo, hi, _scale in grids:
         values = rng.uniform(lo, hi, 5000).astype(np.float32)
         counts = host_histogram_counts(
-            torch.from_numpy(values), values.min(), values.max(), 64, 2**15
+            torch.from_numpy(values), float(values.min()), float(values.max()), 64, 2**15
         )
         packed = counts.tolist()
-        edges = _edges.histogram_edges(*packed[:3], 64)
+        edges = _edges.histogram_edges(packed[0], packed[1], packed[2], 64)
         assert (
             np.histogram(values, bins=np.array(edges, dtype=np.float32))[0].tolist() == packed[3:67]
         )

@@ -129,7 +129,7 @@ def _thresholds(
     near = np.clip(guess[:, None] + np.arange(-_NEAR, _NEAR + 1), first, last)
     reached = floats.reached(near, targets[:, None])
     found = ~reached[:, 0] & reached[:, -1]
-    exact = near[np.arange(targets.size), reached.argmax(axis=1)]
+    exact: NDArray[np.int64] = near[np.arange(targets.size), reached.argmax(axis=1)]
     if found.all():  # the usual case: every threshold within two keys of its nominal edge
         return exact
     low = np.clip(guess - _WAYS // 2, first, last)
