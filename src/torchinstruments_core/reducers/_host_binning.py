@@ -76,7 +76,8 @@ def host_histogram_counts(
     grid = host_grid(lo, hi, bins, dtype)
     size = min(chunk_size, HOST_BLOCK, entries.size)
     offsets = np.empty(size, dtype=dtype)
-    buckets = torch.empty(size, dtype=torch.int32)  # torch's bincount: numpy's is 2x slower
+    # torch's bincount (numpy's is 2x slower), a quarter faster on bytes than on int32
+    buckets = torch.empty(size, dtype=torch.uint8 if bins < 255 else torch.int32)
     index = buckets.numpy()
     counts = torch.zeros(bins + 1, dtype=torch.int64)
     half = dtype(0.5)
