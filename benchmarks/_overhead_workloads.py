@@ -41,6 +41,11 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         "4-layer nn.TransformerEncoder (d_model 256, nhead 8, dim_feedforward 1024, dropout 0.1, "
         "batch_first) on features, mean-pooled, Linear(256, 10); batch 32, sequence 64, AdamW",
     ),
+    "small-gpt": WorkloadSpec(
+        "small-gpt",
+        "small GPT-style decoder (4 pre-norm causal layers, d_model 192, 4 heads, vocab 512), "
+        "batch 8, sequence 64, AdamW",
+    ),
     "gpt": WorkloadSpec(
         "gpt",
         "GPT-style decoder (24 pre-norm causal layers, d_model 1024, 16 heads, vocab 32000, "
@@ -189,6 +194,9 @@ def _parts(name: str) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]
     if name == "transformer":
         model: nn.Module = EncoderClassifier(width=256, heads=8, layers=4, ff=1024, classes=10)
         return model, _features((32, 64, 256), 10), False
+    if name == "small-gpt":  # the size people debug on
+        model = GPT(vocab=512, width=192, heads=4, layers=4, context=64)
+        return model, _tokens(8, 64, 512), True
     if name == "gpt":
         model = GPT(vocab=32000, width=1024, heads=16, layers=24, context=512)
         return model, _tokens(8, 512, 32000), True

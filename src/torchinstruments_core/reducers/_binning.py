@@ -15,6 +15,7 @@ import torch
 
 from torchinstruments_core.reducers._edges import histogram_edges
 from torchinstruments_core.reducers._host import HOST_BLOCK
+from torchinstruments_core.reducers._host_binning import host_histogram_counts
 from torchinstruments_core.reducers.base import CHUNK_SIZE
 
 if TYPE_CHECKING:
@@ -146,7 +147,8 @@ def histogram_counts(
     ``v +- 0.5`` would round to ``v``; inward at the ends of the float range), and so does a
     range too narrow for bins of finite width. Counts are exact int64 until packed into the
     working dtype (exact up to 2**24 per bin in float32). On the CPU an all-finite tensor is
-    binned without a mask.
+    binned without a mask, its grid computed from the host min and max of the statistics pass
+    (``_host_binning``: the same operations, the same bits).
 
     Args:
         prepared: The tensor to reduce.
@@ -165,6 +167,9 @@ def histogram_counts(
         raise ValueError(f"bins must be a positive int, got {bins!r}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    summary = prepared.host_summary
+    if summary is not None:  # all finite on the CPU, min and max already on the host
+        return host_histogram_counts(prepared.values, summary.lo, summary.hi, bins, chunk_size)
     dtype = prepared.values.dtype
     grid = _grid(*prepared.finite_range, bins)
     counts = _bin_counts(prepared, grid, chunk_size)

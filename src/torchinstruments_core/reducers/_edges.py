@@ -87,14 +87,39 @@ def histogram_edges(
     dtype = floats.dtype
     targets = np.arange(1, bins, dtype=dtype)
     first, last = floats.keys(np.array([lo]))[0], floats.keys(np.array([hi]))[0]
-    half_span = dtype(hi) * floats.half - floats.half_lo
-    nominal = (floats.half_lo + half_span * (targets / dtype(bins))) * dtype(2)
-    guess = floats.keys(nominal)
+    if dtype is np.float32:
+        guess = _guess32(floats, targets)
+    else:
+        half_span = dtype(hi) * floats.half - floats.half_lo
+        nominal = (floats.half_lo + half_span * (targets / dtype(bins))) * dtype(2)
+        guess = floats.keys(nominal)
     high = np.empty_like(guess)
     for start in range(0, targets.size, _TARGETS_PER_SEARCH):
         block = slice(start, start + _TARGETS_PER_SEARCH)  # bounds the probes' memory
         high[block] = _thresholds(floats, targets[block], guess[block], first, last)
     return [float(lo), *floats.floats(high).astype(np.float64).tolist(), float(hi)]
+
+
+def _guess32(floats: _Floats, targets: NDArray[np.floating]) -> NDArray[np.int64]:
+    """Float32 thresholds worked back through the binning's two roundings, in float64.
+
+    The first difference ``d`` whose product with ``scale`` rounds to the target is within a
+    float of ``target / scale``; the first ``x`` whose ``x / 2 - lo / 2`` rounds to ``d`` or
+    above lies at the midpoint between ``d`` and the float below it. The guess is nearly always
+    the threshold itself (``_thresholds`` checks it): the bracket search is left for the rare
+    miss, where the nominal edge ``lo + (hi - lo) * i / bins`` was often hundreds of floats off
+    near zero.
+    """
+    scale = floats.scale
+    estimate = (targets.astype(np.float64) / np.float64(scale)).astype(np.float32)
+    near = floats.keys(estimate)[:, None] + np.arange(-_NEAR, _NEAR + 1)
+    candidates = floats.floats(near).astype(np.float32)
+    first = (candidates * scale >= targets[:, None]).argmax(axis=1)
+    difference = near[np.arange(targets.size), first]
+    above = floats.floats(difference).astype(np.float64)
+    below = floats.floats(difference - 1).astype(np.float64)
+    midpoint = np.float64(floats.half_lo) * 2 + above + below
+    return floats.keys(midpoint.astype(np.float32))
 
 
 def _thresholds(
@@ -104,7 +129,9 @@ def _thresholds(
     near = np.clip(guess[:, None] + np.arange(-_NEAR, _NEAR + 1), first, last)
     reached = floats.reached(near, targets[:, None])
     found = ~reached[:, 0] & reached[:, -1]
-    exact = near[np.arange(targets.size), reached.argmax(axis=1)]
+    exact: NDArray[np.int64] = near[np.arange(targets.size), reached.argmax(axis=1)]
+    if found.all():  # the usual case: every threshold within two keys of its nominal edge
+        return exact
     low = np.clip(guess - _WAYS // 2, first, last)
     high = np.clip(guess + _WAYS // 2, first, last)
     valid = ~floats.reached(low, targets) & floats.reached(high, targets)

@@ -26,6 +26,7 @@ from torchinstruments_core.reducers._binning import (
     split_histogram,
 )
 from torchinstruments_core.reducers._scaling import power_of_two_scale, squares_are_safe
+from torchinstruments_core.reducers._select import order_statistics
 from torchinstruments_core.reducers.base import CHUNK_SIZE
 
 if TYPE_CHECKING:
@@ -49,7 +50,28 @@ MOMENT_METRICS = (
 DEFAULT_QUANTILES = (0.25, 0.5, 0.75)
 
 DEFAULT_SAMPLE_SIZE = 32768
-"""Entries sorted per tensor for quantiles: rank error below 0.015 with probability 1 - 7.9e-7."""
+"""Largest subsample per tensor for quantiles: rank error below 0.015 with probability
+1 - 7.9e-7."""
+
+SMALLEST_SAMPLE_SIZE = 8192
+"""Smallest subsample (unless ``sample_size`` is smaller): rank error below 0.030 with
+probability 1 - 7.9e-7."""
+
+_SAMPLE_FRACTION = 8
+"""A tensor of ``n`` entries is subsampled to ``n // 8`` (within the two sizes above): selecting
+from the subsample then costs about what the statistics pass over the whole tensor costs."""
+
+
+def subsample_size(numel: int, sample_size: int = DEFAULT_SAMPLE_SIZE) -> int:
+    """Entries drawn for the quantiles of a tensor of ``numel`` entries (``numel``: all of them).
+
+    A tensor of at most ``sample_size`` entries is used whole; a larger one is subsampled to
+    ``numel // 8`` entries, at least ``SMALLEST_SAMPLE_SIZE`` (8,192) and at most
+    ``sample_size``: 8,192 up to 65,536 entries, 32,768 from 262,144 on by default.
+    """
+    if numel <= sample_size:
+        return numel
+    return min(sample_size, max(SMALLEST_SAMPLE_SIZE, numel // _SAMPLE_FRACTION))
 
 
 class _Partial(NamedTuple):
@@ -240,9 +262,10 @@ def _quantile_sample(
     prepared: PreparedTensor, sample_size: int, exact: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The entries to take quantiles of, and their finite mask (``None`` when all are finite)."""
-    if exact or prepared.numel <= sample_size:
+    size = subsample_size(prepared.numel, sample_size)
+    if exact or size == prepared.numel:
         return prepared.values, None if prepared.all_finite else prepared.finite
-    sample = prepared.values.index_select(0, prepared.random_index(sample_size))
+    sample = prepared.values.index_select(0, prepared.random_index(size))
     return sample, None if prepared.all_finite else torch.isfinite(sample)
 
 
@@ -287,13 +310,17 @@ def quantiles(
     """Quantiles of the finite entries, with numpy's default (``linear``) interpolation.
 
     Tensors of more than ``sample_size`` entries are subsampled uniformly with replacement, using
-    ``prepared.generator`` (never the global random state). Error bound: with ``m`` finite values
-    in the subsample, the Dvoretzky-Kiefer-Wolfowitz inequality gives that the returned
-    ``q``-quantile lies between the true ``(q - eps)`` and ``(q + eps)`` quantiles (give or take
-    the ``1/m`` in rank of one interpolation step) with probability at least
-    ``1 - 2 * exp(-2 * m * eps**2)``, for all levels at once. For the default ``m = 32768`` and
-    ``eps = 0.015`` that is ``1 - 2 * exp(-14.7456) = 1 - 7.9e-7``; for ``eps = 0.01``,
-    ``1 - 2.85e-3``. The typical rank error of a quartile is ``sqrt(q * (1 - q) / m)``, 0.0024.
+    ``prepared.generator`` (never the global random state), to ``m = subsample_size(numel,
+    sample_size)`` entries: an eighth of the tensor, at least 8,192 and at most ``sample_size``
+    (so the selection costs about what the statistics pass costs). Error bound: with ``m``
+    finite values in the subsample, the Dvoretzky-Kiefer-Wolfowitz inequality gives that the
+    returned ``q``-quantile lies between the true ``(q - eps)`` and ``(q + eps)`` quantiles (give
+    or take the ``1/m`` in rank of one interpolation step) with probability at least
+    ``1 - 2 * exp(-2 * m * eps**2)``, for all levels at once: ``eps = sqrt(14.7456 / (2 * m))``
+    for ``1 - 7.9e-7``. For ``m = 32768`` (tensors from 262,144 entries on, by default) that is
+    ``eps = 0.015``; for the smallest subsample, ``m = 8192`` (tensors up to 65,536 entries),
+    ``eps = 0.030``. The typical rank error of a quartile is ``sqrt(q * (1 - q) / m)``: 0.0024
+    and 0.0048.
 
     Unlike ``torch.quantile`` there is no size limit: non-finite entries are keyed to ``+inf``
     and sorted last, and the interpolation positions come from the on-device finite count.
@@ -301,7 +328,7 @@ def quantiles(
     Args:
         prepared: The tensor to reduce.
         qs: Quantile levels in [0, 1].
-        sample_size: Largest number of entries sorted; larger tensors are subsampled.
+        sample_size: Largest subsample; larger tensors are subsampled (see above).
         exact: Sort every entry whatever the size (memory and time grow with the tensor).
 
     Returns:
@@ -314,7 +341,7 @@ def quantiles(
     _check_quantile_args(qs, sample_size)
     sample, mask = _quantile_sample(prepared, sample_size, exact)
     if mask is None and prepared.all_finite:  # only ever true on the CPU
-        return _host_quantiles(_sort(sample), qs)
+        return _host_quantiles(sample, qs)
     if mask is None:
         n_finite = torch.full((), sample.numel(), dtype=torch.int64, device=sample.device)
         keyed = sample
@@ -324,29 +351,32 @@ def quantiles(
     return _interpolate(_sort(keyed), n_finite, qs)
 
 
-def _host_quantiles(ordered: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
-    """``_interpolate`` of a sorted, all-finite CPU tensor, with the positions in Python.
+def _host_quantiles(sample: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
+    """``_interpolate`` of an all-finite CPU tensor, with the positions in Python.
 
-    The same floats as ``_interpolate`` (float64 positions, the lerp in the working dtype),
-    without its dozen small kernels per tensor.
+    The same floats as ``_interpolate`` of the sorted tensor (float64 positions, the lerp in the
+    working dtype), without its dozen small kernels per tensor, and without the sort: only the
+    two entries around each position are selected (``_select.order_statistics``).
     """
-    values = ordered.numpy()
+    values = sample.contiguous().numpy()
     last = values.size - 1
+    positions = [last * q for q in qs]
+    belows = [min(math.floor(position), last) for position in positions]
+    ordered = order_statistics(values, [*belows, *(min(b + 1, last) for b in belows)])
+    float_type = values.dtype.type
     result = []
-    for q in qs:
-        position = last * q
-        below = min(math.floor(position), last)
-        gamma = values.dtype.type(position - below)
-        low, high = values[below], values[min(below + 1, last)]
-        with np.errstate(over="ignore"):  # an overflowing span is handled below
+    with np.errstate(over="ignore"):  # an overflowing span is handled below
+        for position, below in zip(positions, belows, strict=True):
+            gamma = float_type(position - below)
+            low, high = ordered[below], ordered[min(below + 1, last)]
             span = high - low
-        if not np.isfinite(span):
-            half_low, half_high = low * values.dtype.type(0.5), high * values.dtype.type(0.5)
-            half = min(max(half_low + (half_high - half_low) * gamma, half_low), half_high)
-            result.append(half * 2)
-        else:
-            result.append(high - span * (1 - gamma) if gamma >= 0.5 else low + span * gamma)
-    return torch.tensor(result, dtype=ordered.dtype)
+            if not np.isfinite(span):
+                half_low, half_high = low * float_type(0.5), high * float_type(0.5)
+                half = min(max(half_low + (half_high - half_low) * gamma, half_low), half_high)
+                result.append(half * 2)
+            else:
+                result.append(high - span * (1 - gamma) if gamma >= 0.5 else low + span * gamma)
+    return torch.tensor(result, dtype=sample.dtype)
 
 
 def _sort(values: torch.Tensor) -> torch.Tensor:
@@ -361,10 +391,12 @@ __all__ = [
     "DEFAULT_SAMPLE_SIZE",
     "HISTOGRAM_CHUNK_SIZE",
     "MOMENT_METRICS",
+    "SMALLEST_SAMPLE_SIZE",
     "count_sorted",
     "histogram",
     "histogram_counts",
     "moments",
     "quantiles",
     "split_histogram",
+    "subsample_size",
 ]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     import polars as pl
 
@@ -64,25 +65,63 @@ def samples_schema() -> pl.Schema:
     return pl.Schema(columns)
 
 
-def history_frame(samples: Sequence[SampleRecord]) -> pl.DataFrame:
-    """The rows of ``samples`` as the long table."""
-    columns: dict[str, list[object]] = {name: [] for name in history_schema()}
-    for sample in samples:
-        rows = sample.rows
-        count = len(rows)
-        columns["run_id"] += [sample.run_id] * count
-        columns["rank"] += [sample.rank] * count
-        columns["sample_id"] += [sample.sample_id] * count
-        columns["step"] += [sample.step] * count
-        columns["timestamp"] += [int(sample.timestamp * 1_000_000)] * count
-        columns["layer"] += [row.layer for row in rows]
-        columns["call_index"] += [row.call_index for row in rows]
-        columns["signal"] += [row.signal.value for row in rows]
-        columns["tensor_path"] += [row.tensor_path for row in rows]
-        columns["metric"] += [row.metric for row in rows]
-        columns["value"] += [row.value for row in rows]
-        columns["unavailable_reason"] += [row.unavailable_reason for row in rows]
+_ROW_FIELDS = operator.attrgetter(
+    "layer", "call_index", "signal", "tensor_path", "metric", "value", "unavailable_reason"
+)
+
+
+def sample_history(sample: SampleRecord) -> pl.DataFrame:
+    """The rows of one sample as the long table, column by column.
+
+    The writer thread builds each sample's frame as the sample arrives, so the Python work (a
+    millisecond or so a sample) is spread over the run in short holds of the GIL instead of one
+    long hold when a chunk of 200,000 rows is written; the chunk is then concatenated by Polars.
+    """
+    rows = sample.rows
+    count = len(rows)
+    layer, call_index, signal, tensor_path, metric, value, reason = (
+        zip(*map(_ROW_FIELDS, rows), strict=True) if rows else ((),) * 7
+    )
+    names = {member: member.value for member in set(signal)}
+    columns: dict[str, Sequence[object]] = {
+        "run_id": [sample.run_id] * count,
+        "rank": [sample.rank] * count,
+        "sample_id": [sample.sample_id] * count,
+        "step": [sample.step] * count,
+        "timestamp": [int(sample.timestamp * 1_000_000)] * count,
+        "layer": layer,
+        "call_index": call_index,
+        "signal": [names[member] for member in signal],
+        "tensor_path": tensor_path,
+        "metric": metric,
+        "value": value,
+        "unavailable_reason": reason,
+    }
     return _frame(columns, history_schema())
+
+
+def history_frame(
+    samples: Sequence[SampleRecord], built: Mapping[int, pl.DataFrame] | None = None
+) -> pl.DataFrame:
+    """The rows of ``samples`` as the long table.
+
+    Args:
+        samples: The records, in order.
+        built: Frames already built by ``sample_history``, by ``sample_id``; the others are
+            built here.
+    """
+    import polars as pl
+
+    ready = built or {}
+    frames = [_built(ready, sample) for sample in samples]
+    if not frames:
+        return _frame({name: [] for name in history_schema()}, history_schema())
+    return pl.concat(frames, rechunk=True)
+
+
+def _built(ready: Mapping[int, pl.DataFrame], sample: SampleRecord) -> pl.DataFrame:
+    frame = ready.get(sample.sample_id)
+    return sample_history(sample) if frame is None else frame
 
 
 def samples_frame(samples: Sequence[SampleRecord]) -> pl.DataFrame:
@@ -103,7 +142,7 @@ def samples_frame(samples: Sequence[SampleRecord]) -> pl.DataFrame:
     return _frame(columns, samples_schema())
 
 
-def _frame(columns: dict[str, list[object]], schema: pl.Schema) -> pl.DataFrame:
+def _frame(columns: Mapping[str, Sequence[object]], schema: pl.Schema) -> pl.DataFrame:
     import polars as pl
 
     raw = {name: pl.Int64() if name == "timestamp" else dtype for name, dtype in schema.items()}

@@ -1,9 +1,11 @@
 """The background writer: samples in through a bounded queue, immutable Parquet chunks out.
 
 The training thread only puts a finished sample on the queue; it waits on disk only when the
-queue is full. The writer thread turns samples into rows, writes a chunk when ``chunk_rows`` rows
-are buffered or ``flush_seconds`` have passed, each chunk written to a temporary file and renamed,
-so a reader (or a run killed mid-write) only ever sees complete chunks.
+queue is full. The writer thread turns each sample into a frame of rows as it arrives (Python
+work, so short holds of the GIL, one sample at a time) and writes a chunk, concatenated by
+Polars, when ``chunk_rows`` rows are buffered or ``flush_seconds`` have passed, each chunk
+written to a temporary file and renamed, so a reader (or a run killed mid-write) only ever sees
+complete chunks.
 
 Failures, and what they cost (every sample is either written or counted in ``Losses``):
 
@@ -26,10 +28,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torchinstruments_core.run_directory._atomic import atomic_write_parquet
-from torchinstruments_core.run_directory._tables import history_frame, samples_frame
+from torchinstruments_core.run_directory._tables import (
+    history_frame,
+    sample_history,
+    samples_frame,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
+
+    import polars as pl
 
     from torchinstruments_core._records import SampleRecord
     from torchinstruments_core.run_directory._layout import RunLayout
@@ -116,6 +124,8 @@ class ChunkWriter:
         self._error: Exception | None = None
         self._lock = threading.Lock()
         self._buffer: list[SampleRecord] = []
+        # each buffered sample's history rows, built on arrival (short holds of the GIL)
+        self._built: dict[int, pl.DataFrame] = {}
         self._rows = 0
         self._retry_at = 0.0
         self._last_failure = ""
@@ -207,6 +217,8 @@ class ChunkWriter:
     def _take(self, sample: SampleRecord) -> None:
         self._buffer.append(sample)
         self._rows += len(sample.rows)
+        with contextlib.suppress(Exception):  # a sample that cannot be built fails in the write
+            self._built[sample.sample_id] = sample_history(sample)
         for consumer in self._on_sample:
             try:
                 consumer(sample)
@@ -224,6 +236,7 @@ class ChunkWriter:
             self._failed_write(samples, error, final=final)
             return
         self._buffer, self._rows = [], 0
+        self._built.clear()
         self._retry_at = 0.0
         self._written(samples)
 
@@ -235,6 +248,7 @@ class ChunkWriter:
         if final:
             self._lose(samples, f"the last chunk could not be written ({self._last_failure})")
             self._buffer, self._rows = [], 0
+            self._built.clear()
         else:
             self._trim()
             what += (
@@ -249,7 +263,7 @@ class ChunkWriter:
         targets = (self._layout.part("samples", number), self._layout.part("history", number))
         try:
             atomic_write_parquet(samples_frame(samples), targets[0])
-            atomic_write_parquet(history_frame(samples), targets[1])
+            atomic_write_parquet(history_frame(samples, self._built), targets[1])
         except BaseException:
             for target in targets:  # half a chunk would count its samples twice after a retry
                 with contextlib.suppress(OSError):
@@ -266,6 +280,9 @@ class ChunkWriter:
                     consumer(sample)
                 except Exception as error:
                     self._consumer_failed(consumer, sample, error)
+            # a chunk's samples are folded in one by one (a millisecond or two each): between
+            # them the training thread takes the GIL at once instead of after a switch interval
+            time.sleep(0)
 
     def _consumer_failed(
         self, consumer: Callable[[SampleRecord], None], sample: SampleRecord, error: Exception
@@ -281,6 +298,7 @@ class ChunkWriter:
         dropped: list[SampleRecord] = []
         while len(self._buffer) > 1 and self._rows > self._chunk_rows:
             sample = self._buffer.pop(0)
+            self._built.pop(sample.sample_id, None)
             self._rows -= len(sample.rows)
             dropped.append(sample)
         if dropped:
@@ -304,6 +322,7 @@ class ChunkWriter:
             self._report.died = True
             self._report.losses.add(self._buffer, reason)
             self._buffer, self._rows = [], 0
+            self._built.clear()
             self._error = OSError(
                 f"{reason}; the samples it had and every later sample of {self._layout.root} "
                 "are counted as lost (see result.json)"

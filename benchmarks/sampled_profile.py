@@ -1,0 +1,127 @@
+"""Where a sampled step's time goes: the observer's phases, timed inside one process.
+
+    uv run python benchmarks/sampled_profile.py [--workload small-gpt] [--steps 20]
+        [--sink run-directory|recording]
+
+The engine's functions are wrapped with timers (wall clock, ``time.perf_counter``, or with
+``--clock cpu`` the thread's CPU time, steadier on a busy machine; about a microsecond per call,
+against tens to hundreds for what they time) and a workload runs
+``--steps`` sampled steps after three warm-up steps, then as many unsampled ones. Reported per
+sampled step: the step itself, the unsampled step, and each phase in milliseconds, split by the
+thread it ran on. Phases nest: ``measure`` holds ``prepare`` (the flattened copy and the
+blocked statistics pass) and the reducers; ``deliver`` holds ``build`` (rows and histogram
+edges) and the hand-over to the sink. On the writer thread (run directory): turning samples into
+Parquet chunks, the TensorBoard histograms and the aggregates of ``result.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _overhead_workloads import WORKLOADS, build
+
+_TIMES: dict[tuple[str, str], float] = collections.defaultdict(float)
+_MAIN = threading.main_thread()
+_CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+_clock = time.perf_counter
+
+
+def _timed(owner: Any, attribute: str, phase: str) -> None:
+    """Replace ``owner.attribute`` with a wrapper adding its wall time to ``phase``."""
+    original = getattr(owner, attribute)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = _clock()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            thread = "training" if threading.current_thread() is _MAIN else "writer"
+            _TIMES[thread, phase] += _clock() - started
+
+    setattr(owner, attribute, wrapper)
+
+
+def _instrument() -> None:
+    from torchinstruments_core import _delivery, _measure, _sample, reducers
+    from torchinstruments_core.run_directory import _aggregate, _tensorboard, _writer
+
+    _timed(_measure.Measurer, "measure", "measure")
+    _timed(_measure.Measurer, "_prepare", "measure: prepare (copy, statistics pass)")
+    _timed(reducers.MomentsReducer, "reduce", "measure: moments")
+    _timed(reducers.QuantileReducer, "reduce", "measure: quartiles (gather, select)")
+    _timed(reducers.HistogramReducer, "reduce", "measure: histogram (binning)")
+    _timed(_sample.Sample, "start_transfer", "transfer to host")
+    _timed(_delivery.DeliveryQueue, "_deliver", "deliver")
+    _timed(_sample.Sample, "build", "deliver: build (rows, histogram edges)")
+    _timed(_writer, "history_frame", "history chunk: frame")
+    _timed(_writer, "samples_frame", "samples chunk: frame")
+    _timed(_writer, "atomic_write_parquet", "chunks: Parquet write")
+    _timed(_tensorboard.TensorBoardHistograms, "__call__", "TensorBoard histograms")
+    _timed(_aggregate.RunAggregates, "add", "result.json aggregates")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", default="small-gpt", choices=sorted(WORKLOADS))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sink", choices=["run-directory", "recording"], default="run-directory")
+    parser.add_argument(
+        "--clock", choices=sorted(_CLOCKS), default="wall", help="cpu: the thread's CPU time"
+    )
+    args = parser.parse_args()
+    global _clock
+    _clock = _CLOCKS[args.clock]
+    torch.set_num_threads(args.threads)
+    from torchinstruments_core import inject_observer
+    from torchinstruments_core.testing import RecordingSink
+
+    workload = build(args.workload, torch.device("cpu"))
+    with tempfile.TemporaryDirectory() as folder:
+        destination: dict[str, Any] = (
+            {"sink": RecordingSink()}
+            if args.sink == "recording"
+            else {"output_dir": Path(folder) / "run"}
+        )
+        observer = inject_observer(workload.model, **destination)
+
+        def step(number: int, sample: bool) -> float:
+            started = _clock()
+            observer.begin_step(number, sample=sample)
+            workload.step()
+            observer.end_step()
+            return _clock() - started
+
+        for number in range(3):
+            step(number, True)
+        _instrument()
+        sampled = [step(3 + n, True) for n in range(args.steps)]
+        phases = dict(_TIMES)
+        unsampled = [step(3 + args.steps + n, False) for n in range(args.steps)]
+        observer.remove()
+    _print(args, statistics.median(sampled), statistics.median(unsampled), phases)
+
+
+def _print(
+    args: argparse.Namespace, sampled: float, unsampled: float, phases: dict[tuple[str, str], float]
+) -> None:
+    print(f"{WORKLOADS[args.workload].description}; {args.sink}, {args.steps} sampled steps\n")
+    print(f"median sampled step {sampled * 1e3:.1f} ms, unsampled {unsampled * 1e3:.1f} ms\n")
+    print("| thread | phase | ms per sampled step |")
+    print("|---|---|---|")
+    for (thread, phase), seconds in sorted(phases.items()):
+        print(f"| {thread} | {phase} | {seconds / args.steps * 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

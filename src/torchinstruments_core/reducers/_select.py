@@ -1,0 +1,92 @@
+"""Order statistics of a finite CPU array without sorting it: a few entries of ``np.sort(x)``.
+
+The quartiles need six entries of the sorted subsample, not all 32,768. A full sort costs about
+0.6 ms; this module finds the same entries, bit for bit, in a third to a quarter of that, by the
+idea of Floyd and Rivest's selection: a small strided pilot, sorted, brackets each wanted entry
+between two of its values; one vectorized pass counts the entries below the bracket and
+gathers those inside it; a partition of those few gives the entries. A bracket that misses
+(an unlucky pilot) costs time, never correctness: what is left is then selected from the whole
+array.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from numpy.typing import NDArray
+
+_PILOT = 2048
+"""Pilot entries: sorted in ~16 us, and a bracket of ~3,000 entries around each wanted one."""
+_SPREAD = 4.0
+"""Half-width of a bracket in standard deviations of a pilot rank: it holds its entry but for
+an unlucky pilot (about once in 16,000 brackets for a random pilot)."""
+_DIRECT = 9 * _PILOT
+"""Below this many entries (18,432) a plain partition is as fast as the pilot and its passes
+(at 16,384, the subsample of a 131,072-entry tensor, it takes half the time: 50 against 95 us);
+past about 20,000 numpy's partition slows several-fold."""
+
+
+def order_statistics(values: NDArray[np.floating], ranks: Sequence[int]) -> dict[int, float]:
+    """The entries of ``np.sort(values)`` at ``ranks``, exactly, without sorting ``values``.
+
+    Args:
+        values: A flat array of finite floats; it is not modified.
+        ranks: Positions in ``[0, values.size)`` of the sorted array.
+
+    Returns:
+        A mapping from each rank to its entry (a numpy scalar of ``values``' dtype).
+    """
+    wanted = sorted(set(ranks))
+    if values.size < _DIRECT:
+        return _partitioned(values, wanted)
+    stride = values.size // _PILOT
+    pilot = np.sort(values[::stride])
+    found: dict[int, float] = {}
+    for rank in wanted:
+        if rank not in found:
+            found.update(_bracketed(values, pilot, rank, [r for r in wanted if r not in found]))
+    missing = [rank for rank in wanted if rank not in found]
+    if missing:  # brackets that missed: select the rest from the whole array
+        found.update(_partitioned(values, missing))
+    return found
+
+
+def _partitioned(values: NDArray[np.floating], ranks: list[int]) -> dict[int, float]:
+    ordered = np.partition(values, ranks)
+    return {rank: ordered[rank] for rank in ranks}
+
+
+def _bracketed(
+    values: NDArray[np.floating], pilot: NDArray[np.floating], rank: int, open_ranks: list[int]
+) -> dict[int, float]:
+    """The open ranks that fall in the bracket around ``rank``; empty if it misses ``rank``.
+
+    In ascending order come the ``below`` entries under the bracket, then the bracket's entries
+    (``low <= x <= high``, ties included), then those above; so the ``k``-th entry of the sorted
+    array, for ``below <= k < below + inside.size``, is the ``(k - below)``-th of the bracket.
+    """
+    low, high = _bracket(pilot, rank / values.size)
+    below = int(np.count_nonzero(values < low))
+    inside = values[(values >= low) & (values <= high)]
+    local = [r - below for r in open_ranks if below <= r < below + inside.size]
+    if rank - below not in local:
+        return {}
+    ordered = np.partition(inside, local)
+    return {below + k: ordered[k] for k in local}
+
+
+def _bracket(pilot: NDArray[np.floating], level: float) -> tuple[float, float]:
+    """Pilot values a few standard deviations of rank either side of ``level``; +-inf past it."""
+    size = pilot.size
+    position = level * size
+    reach = _SPREAD * math.sqrt(size * max(level * (1 - level), 1 / size)) + 1
+    first, last = math.floor(position - reach), math.ceil(position + reach)
+    low = pilot[first] if first >= 0 else -math.inf
+    high = pilot[last] if last < size else math.inf
+    return low, high

@@ -1,0 +1,92 @@
+"""The long table built per sample on the writer thread, and a chunk concatenated from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import polars as pl
+import torch
+from torch import nn
+
+from torchinstruments_core import AlwaysSampler, inject_observer
+from torchinstruments_core._records import RecordKind, SampleRecord, Signal, StatRow
+from torchinstruments_core.run_directory._tables import (
+    history_frame,
+    history_schema,
+    sample_history,
+)
+
+
+def _record(sample_id: int, *, rows: int = 3) -> SampleRecord:
+    stat_rows = [
+        StatRow(f"layer.{i}", i % 2, Signal.OUTPUT, "output", "std", float(i), None)
+        for i in range(rows)
+    ]
+    stat_rows.append(
+        StatRow("head", 0, Signal.OUTPUT_GRADIENT, "output", "p50", None, "no_gradient")
+    )
+    return SampleRecord(
+        run_id="run",
+        rank=0,
+        sample_id=sample_id,
+        step=None if sample_id % 2 else sample_id * 10,
+        timestamp=1_700_000_000.25,
+        forward_only=False,
+        collection_duration_ms=1.0,
+        rows=tuple(stat_rows),
+        histograms=(),
+        kind=RecordKind.FORWARD,
+    )
+
+
+def test_sample_history_holds_every_row_in_order_with_the_schema() -> None:
+    """One sample's frame has the history schema, one row per ``StatRow``, values in order."""
+    record = _record(4)
+    frame = sample_history(record)
+    assert frame.schema == history_schema()
+    assert frame["layer"].to_list() == [row.layer for row in record.rows]
+    assert frame["signal"].to_list() == [row.signal.value for row in record.rows]
+    assert frame["value"].to_list() == [row.value for row in record.rows]
+    assert frame["unavailable_reason"].to_list() == [None, None, None, "no_gradient"]
+    assert frame["step"].to_list() == [40] * 4
+    assert frame["timestamp"].dt.epoch("us").to_list() == [1_700_000_000_250_000] * 4
+
+
+def test_a_chunk_from_built_frames_equals_one_built_at_once() -> None:
+    """Frames built on arrival, concatenated, equal the chunk built from the records directly."""
+    records = [_record(i, rows=i) for i in range(5)]
+    built = {record.sample_id: sample_history(record) for record in records[:3]}
+    assert history_frame(records, built).equals(history_frame(records))
+    assert history_frame(records).height == sum(len(r.rows) for r in records)
+    empty = history_frame([])
+    assert empty.height == 0
+    assert empty.schema == history_schema()
+
+
+def test_the_run_directory_history_matches_the_samples(tmp_path: pathlib.Path) -> None:
+    """A run written through the writer thread holds exactly the rows of its samples."""
+    from torchinstruments_core.testing import RecordingSink
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    twin = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    twin.load_state_dict(model.state_dict())
+    recording = RecordingSink()
+    observers = [
+        inject_observer(model, sampler=AlwaysSampler(), output_dir=tmp_path / "run"),
+        inject_observer(twin, sampler=AlwaysSampler(), sink=recording, run_id="x"),
+    ]
+    for _ in range(4):
+        batch = torch.randn(8, 4)
+        model(batch).square().mean().backward()
+        twin(batch).square().mean().backward()
+    for observer in observers:
+        observer.remove()
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet").sort(
+        "sample_id", maintain_order=True
+    )
+    expected = [dataclasses.astuple(row) for sample in recording.samples for row in sample.rows]
+    columns = ["layer", "call_index", "signal", "tensor_path", "metric"]
+    assert history.select(columns).rows() == [row[:5] for row in expected]
+    assert history["value"].to_list() == [row[5] for row in expected]
