@@ -309,6 +309,7 @@ class SampleLifecycle:
         Its sharded tensors are combined across ranks first, one collective per process group.
         """
         self._steps.combine(record)
+        self._measurer.new_sample()  # its subsample positions would outlive the step otherwise
         if id(record) in self._joining:
             self._joining.discard(id(record))
             return
