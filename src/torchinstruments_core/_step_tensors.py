@@ -144,7 +144,10 @@ def _parameter_tensors(
 def _tensor(
     owner: Owner, signal: Signal, path: str, tensor: torch.Tensor, *extra: tuple[str, torch.Tensor]
 ) -> StepTensor:
-    return StepTensor(owner.layer, signal, path, tensor, owner.histogram, tuple(extra))
+    # A histogram only where a destination shows it: the loggers and the run directory's
+    # TensorBoard receive the routed signals' histograms; the Parquet tables hold none.
+    histogram = owner.histogram and signal.spec.routed
+    return StepTensor(owner.layer, signal, path, tensor, histogram, tuple(extra))
 
 
 def _copy(parameter: torch.Tensor, owner: Owner) -> PreStepCopy | None:
