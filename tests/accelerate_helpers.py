@@ -70,6 +70,20 @@ class RecordingTracker(GeneralTracker):  # type: ignore[misc]
         self.calls.append((dict(values), step))
 
 
+def tensorboard_accelerator(
+    root: pathlib.Path, telemetry: TelemetryTracker, accumulation: int
+) -> Accelerator:
+    """Accelerate's examples' set-up: TensorBoard and ``telemetry`` under ``root``, trackers on."""
+    accelerator = Accelerator(
+        cpu=True,
+        log_with=["tensorboard", telemetry],
+        project_dir=root,
+        gradient_accumulation_steps=accumulation,
+    )
+    accelerator.init_trackers("exp")
+    return accelerator
+
+
 def reset_accelerate_state() -> None:
     """Forget Accelerate's process-wide singletons, as Accelerate's own test cases do."""
     AcceleratorState._reset_state(True)

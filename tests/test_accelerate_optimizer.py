@@ -16,7 +16,13 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from accelerate_helpers import Regressor, events, loader, reset_accelerate_state
+from accelerate_helpers import (
+    Regressor,
+    events,
+    loader,
+    reset_accelerate_state,
+    tensorboard_accelerator,
+)
 from step_references import StepReference
 from torchinstruments_accelerate import TelemetryTracker
 from torchinstruments_core import ConfigurationError, ObservationWarning
@@ -33,17 +39,6 @@ def _fresh_accelerate_state() -> Iterator[None]:
     reset_accelerate_state()
     yield
     reset_accelerate_state()
-
-
-def _accelerator(root: pathlib.Path, telemetry: TelemetryTracker, accumulation: int) -> Any:
-    accelerator = Accelerator(
-        cpu=True,
-        log_with=["tensorboard", telemetry],
-        project_dir=root,
-        gradient_accumulation_steps=accumulation,
-    )
-    accelerator.init_trackers("exp")
-    return accelerator
 
 
 def _loop(
@@ -103,7 +98,7 @@ def test_step_signals_land_at_the_logged_step_with_the_optimizers_values(
     the loop logs before or after ``optimizer.step()``.
     """
     telemetry = TelemetryTracker(every_n_steps=2, max_focus_layers=2)
-    accelerator = _accelerator(tmp_path, telemetry, accumulation)
+    accelerator = tensorboard_accelerator(tmp_path, telemetry, accumulation)
     model = Regressor()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     reference = StepReference(model, optimizer)
@@ -148,7 +143,7 @@ def test_two_optimizers_are_one_step_each_recorded(tmp_path: pathlib.Path) -> No
     sampled steps, and both layers' gradient rms are at those steps with the optimizers' values.
     """
     telemetry = TelemetryTracker(every_n_steps=2, max_focus_layers=2)
-    accelerator = _accelerator(tmp_path, telemetry, 1)
+    accelerator = tensorboard_accelerator(tmp_path, telemetry, 1)
     model = Regressor()
     first = torch.optim.SGD(model.net[0].parameters(), lr=0.05)
     last = torch.optim.Adam(model.net[2].parameters(), lr=0.01)
@@ -173,7 +168,7 @@ def test_two_optimizers_are_one_step_each_recorded(tmp_path: pathlib.Path) -> No
 def test_a_second_optimizer_found_warns(tmp_path: pathlib.Path) -> None:
     """Without ``optimizer=``, a second optimizer of the model warns, naming the fix."""
     telemetry = TelemetryTracker(every_n_steps=2, output_dir=tmp_path / "run")
-    accelerator = _accelerator(tmp_path, telemetry, 1)
+    accelerator = tensorboard_accelerator(tmp_path, telemetry, 1)
     model = Regressor()
     first = torch.optim.SGD(model.net[0].parameters(), lr=0.05)
     last = torch.optim.SGD(model.net[2].parameters(), lr=0.05)

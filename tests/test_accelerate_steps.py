@@ -10,7 +10,14 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from accelerate_helpers import Tagged, events, reset_accelerate_state, samples, tagged_loader
+from accelerate_helpers import (
+    Tagged,
+    events,
+    reset_accelerate_state,
+    samples,
+    tagged_loader,
+    tensorboard_accelerator,
+)
 from torchinstruments_accelerate import TelemetryTracker
 
 
@@ -26,13 +33,7 @@ def start(
     root: pathlib.Path, telemetry: TelemetryTracker, accumulation: int
 ) -> tuple[Accelerator, Any, Any, Any]:
     """Accelerate's examples: log_with and project_dir, init_trackers, prepare; then watch."""
-    accelerator = Accelerator(
-        cpu=True,
-        log_with=["tensorboard", telemetry],
-        project_dir=root,
-        gradient_accumulation_steps=accumulation,
-    )
-    accelerator.init_trackers("exp")
+    accelerator = tensorboard_accelerator(root, telemetry, accumulation)
     model = Tagged()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     model, optimizer, data = accelerator.prepare(model, optimizer, tagged_loader())
