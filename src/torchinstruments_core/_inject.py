@@ -67,6 +67,7 @@ def inject_observer(
     step_signals: Sequence[str] = DEFAULT_STEP_SIGNALS,
     record_inputs: bool = False,
     profile: bool = False,
+    background_reductions: bool | None = None,
 ) -> Observer:
     """Observe ``model``: sampled statistics of its modules' outputs and output gradients.
 
@@ -135,6 +136,13 @@ def inject_observer(
             allocator's peak statistic (``torch.cuda.reset_peak_memory_stats``) at every call
             boundary of a sampled step, so ``torch.cuda.max_memory_allocated()`` read after a
             sampled step covers only its end (see the README).
+        background_reductions: On the CPU, reduce each sampled tensor on a worker thread
+            while the model computes, from a copy taken in the hook: ``None`` (default) where
+            torch's intra-op threads leave a core free (``torch.get_num_threads()`` below the
+            cores this process may use), ``True`` always, ``False`` never. The values are the
+            same either way. At most one tensor's worth (the largest so far, in float32) of
+            copies waits for the worker, and a sample is delivered once the worker has reduced
+            it. Under ``error_policy="raise"`` it is off, so a failure raises where it happens.
 
     Returns:
         The attached ``Observer``; also a context manager that removes itself. Left attached,
@@ -177,10 +185,14 @@ def inject_observer(
     )
     layers = select_layers(model, _selector(selector), *focus)
     checked_sampler = _build_sampler(interval, sampler)
-    measurer = Measurer(_check_reducers(reducers), HistogramReducer(bins=bins))
     policies = (
         parse_choice(RankPolicy, "rank_policy", rank_policy),
         parse_choice(ErrorPolicy, "error_policy", error_policy),
+    )
+    measurer = Measurer(
+        _check_reducers(reducers),
+        HistogramReducer(bins=bins),
+        background=_background(background_reductions, policies[1]),
     )
     first_id = check_positive_int("first_sample_id", first_sample_id, minimum=0)
     optimizers = () if optimizer is None else check_optimizers(optimizer)
@@ -277,3 +289,10 @@ def _selector(selector: SelectorFn | None) -> SelectorFn:
     if not callable(selector):
         raise ConfigurationError.invalid("selector", selector, "a (name, module) -> bool callable")
     return selector
+
+
+def _background(choice: bool | None, error_policy: ErrorPolicy) -> bool | None:
+    """``background_reductions`` checked: ``False`` under ``error_policy="raise"``."""
+    if choice is not None and not isinstance(choice, bool):
+        raise ConfigurationError.invalid("background_reductions", choice, "None, True or False")
+    return False if error_policy is ErrorPolicy.RAISE else choice

@@ -1,7 +1,10 @@
 """Measure one tensor: decide whether it can be reduced, then run the reducers on its device.
 
 Nothing here leaves the device. A ``Measurement`` holds device tensors (or the reason a value is
-missing) until the sample closes and every measurement crosses to the host in one transfer.
+missing) until the sample closes and every measurement crosses to the host in one transfer. On
+the CPU, where torch leaves a core free, the reducers run on the reduction worker
+(``_background``) on a copy of the tensor: the measurement is then filled in later, and
+``Measurement.settle`` (called before its values are read) waits for it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from torchinstruments_core._background import ReductionWorker, free_core
 from torchinstruments_core._plain import plain_tensor
 from torchinstruments_core._records import UnavailableReason
 from torchinstruments_core.reducers import (
@@ -22,7 +26,7 @@ from torchinstruments_core.reducers import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
 _MAX_ERROR_TEXT = 200
 
@@ -52,6 +56,30 @@ class Measurement:
     histogram_bins: int = 0
     histogram_float64: bool = False
     errors: list[BaseException] = field(default_factory=list)
+    worker: ReductionWorker | None = None
+    """The worker still filling this measurement in; ``None`` once it is complete."""
+    finishers: list[Callable[[Measurement], None]] = field(default_factory=list)
+
+    def then(self, finish: Callable[[Measurement], None]) -> None:
+        """Call ``finish(self)`` once complete: now, or in the ``settle`` that completes it.
+
+        Either way it runs on the thread that measured or settles, never on the worker, so it
+        may warn or raise (``error_policy``).
+        """
+        if self.worker is None:
+            finish(self)
+        else:
+            self.finishers.append(finish)
+
+    def settle(self) -> None:
+        """Wait for the worker to fill this measurement in, then run what ``then`` deferred."""
+        if self.worker is None:
+            return
+        self.worker.wait()
+        self.worker = None
+        finishers, self.finishers = self.finishers, []
+        for finish in finishers:
+            finish(self)
 
 
 def reducer_error_reason(error: BaseException) -> str:
@@ -76,10 +104,18 @@ class Measurer:
         histogram: Reducer for the focus modules' histograms.
         seed: Seed of the private generators used for subsampling (the model's random stream is
             never touched).
+        background: Reduce CPU tensors on the reduction worker (``_background``): ``None``
+            when torch's intra-op threads leave a core free (checked at each tensor), ``True``
+            always, ``False`` never.
     """
 
     def __init__(
-        self, reducers: Sequence[Reducer], histogram: HistogramReducer, *, seed: int = 0
+        self,
+        reducers: Sequence[Reducer],
+        histogram: HistogramReducer,
+        *,
+        seed: int = 0,
+        background: bool | None = None,
     ) -> None:
         self.reducers = tuple(reducers)
         self.histogram = histogram
@@ -87,10 +123,21 @@ class Measurer:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._index_cache: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+        self.background = background
+        self._worker = ReductionWorker()
 
     def new_sample(self) -> None:
         """Forget the subsample positions of the previous sample; the next one draws its own."""
+        self._worker.wait()  # the worker's jobs of the previous sample still draw from them
         self._index_cache.clear()
+
+    def wait(self) -> None:
+        """Block until the reduction worker has reduced every tensor handed to it."""
+        self._worker.wait()
+
+    def close(self) -> None:
+        """Reduce what the worker holds and stop its thread; later tensors reduce in the caller."""
+        self._worker.close()
 
     def measure(
         self,
@@ -108,32 +155,72 @@ class Measurer:
         """
         try:
             with torch.no_grad():
-                prepared = self._prepare(tensor, scale)
+                plain = self._plain(tensor, scale)
         except Exception as error:  # an odd tensor must never break the step (error_policy decides)
             return Measurement(reducer_error_reason(error), self.metrics, errors=[error])
-        if isinstance(prepared, UnavailableReason):
-            return Measurement(reason=prepared, metrics=self.metrics)
+        if isinstance(plain, UnavailableReason):
+            return Measurement(reason=plain, metrics=self.metrics)
+        measurement = Measurement(None, self.metrics)
+        if self._in_background(plain, scale):
+            measurement.worker = self._worker
+            nbytes = plain.numel() * working_dtype(plain.dtype).itemsize
+            owned = scale is not None  # the division made a tensor of its own
+            self._worker.submit(
+                nbytes, lambda: self._job(plain, measurement, with_histogram, owned=owned)
+            )
+        else:
+            self._fill(plain, measurement, with_histogram)
+        return measurement
+
+    def _plain(
+        self, tensor: torch.Tensor, scale: float | torch.Tensor | None
+    ) -> torch.Tensor | UnavailableReason:
+        """The tensor to reduce (divided by ``scale``), or why there is none."""
+        plain = plain_tensor(tensor)
+        if isinstance(plain, UnavailableReason) or scale is None:
+            return plain
+        with _autocast_off(plain.device):  # in the working dtype: fp16 would underflow
+            plain = plain.to(working_dtype(plain.dtype))
+            return plain / _on_device(scale, plain)
+
+    def _in_background(self, plain: torch.Tensor, scale: float | torch.Tensor | None) -> bool:
+        if plain.device.type != "cpu" or self.background is False:
+            return False
+        if isinstance(scale, torch.Tensor) and scale.device.type != "cpu":
+            return False
+        return self.background is True or free_core()
+
+    def _job(
+        self, plain: torch.Tensor, measurement: Measurement, with_histogram: bool, *, owned: bool
+    ) -> Callable[[], None]:
+        """Copy ``plain`` here, in the hook, and return the job that reduces the copy.
+
+        The copy is flat and in the working dtype, and never shares memory with ``plain`` unless
+        ``owned`` (nobody else holds ``plain``): the model may change its own tensors in place
+        as soon as the hook returns.
+        """
+        with torch.no_grad():
+            copy = plain.detach().reshape(-1).to(working_dtype(plain.dtype))
+            shared = copy.untyped_storage().data_ptr() == plain.untyped_storage().data_ptr()
+            if shared and not owned:
+                copy = copy.clone()
+        return lambda: self._fill(copy, measurement, with_histogram)
+
+    def _fill(self, plain: torch.Tensor, measurement: Measurement, with_histogram: bool) -> None:
+        """Run the reducers on ``plain`` into ``measurement``; errors become its reason."""
+        try:
+            with torch.no_grad(), _autocast_off(plain.device):
+                prepared = PreparedTensor(plain, self._generator(plain.device), self._index_cache)
+                measurement.n_finite = prepared.n_finite  # reads every entry: fails here if any
+        except Exception as error:  # an odd tensor must never break the step
+            measurement.reason = reducer_error_reason(error)
+            measurement.errors.append(error)
+            return
         with torch.no_grad(), _autocast_off(prepared.device):
-            measurement = Measurement(None, self.metrics, n_finite=prepared.n_finite)
             for reducer in self.reducers:
                 measurement.results.append(self._run(reducer, prepared, measurement))
             if with_histogram:
                 self._run_histogram(prepared, measurement)
-        return measurement
-
-    def _prepare(
-        self, tensor: torch.Tensor, scale: float | torch.Tensor | None
-    ) -> PreparedTensor | UnavailableReason:
-        plain = plain_tensor(tensor)
-        if isinstance(plain, UnavailableReason):
-            return plain
-        with _autocast_off(plain.device):
-            if scale is not None:  # in the working dtype: fp16 would underflow
-                plain = plain.to(working_dtype(plain.dtype))
-                plain = plain / _on_device(scale, plain)
-            prepared = PreparedTensor(plain, self.generator(plain.device), self._index_cache)
-            _ = prepared.n_finite  # reads every entry: a tensor that cannot be read fails here
-        return prepared
 
     def _run(
         self, reducer: Reducer, prepared: PreparedTensor, measurement: Measurement
@@ -155,7 +242,15 @@ class Measurer:
             measurement.errors.append(error)
 
     def generator(self, device: torch.device) -> torch.Generator:
-        """The private random generator of ``device``, seeded once (never the model's)."""
+        """The private random generator of ``device``, seeded once (never the model's).
+
+        Waits for the reduction worker first, which draws from the CPU generator: the draws
+        stay in the order the tensors were measured.
+        """
+        self._worker.wait()
+        return self._generator(device)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device)

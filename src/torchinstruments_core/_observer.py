@@ -293,6 +293,7 @@ class Observer:
                 finally:  # the sink is closed (its files finalized) even if delivery raised
                     self._sink.close()
         finally:
+            self._config.measurer.close()  # stops the reduction worker's thread
             self._release_references()
 
     def __enter__(self) -> Observer:

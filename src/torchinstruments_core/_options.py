@@ -135,6 +135,9 @@ class TelemetryOptions:
             memory (signals ``time``, ``memory``; to the run directory), as
             ``inject_observer(profile=True)``; on CUDA it resets the allocator's peak statistic
             in sampled steps (see the README).
+        background_reductions: On the CPU, reduce sampled tensors on a worker thread while
+            the model computes (``None``: where torch's threads leave a core free), as
+            ``inject_observer(background_reductions=...)``.
         histogram_selector: Deprecated name of ``focus_selector`` (warns; ``None`` after the
             constructor).
         max_histogram_modules: Deprecated name of ``max_focus_layers`` (warns; ``None`` after
@@ -164,6 +167,7 @@ class TelemetryOptions:
     step_signals: Sequence[str] = DEFAULT_STEP_SIGNALS
     record_inputs: bool = False
     profile: bool = False
+    background_reductions: bool | None = None
     histogram_selector: SelectorFn | None = field(default=None, repr=False)
     max_histogram_modules: int | None = field(default=None, repr=False)
 
@@ -319,6 +323,7 @@ class TelemetryOptions:
             step_signals=self.step_signals,
             record_inputs=self.record_inputs,
             profile=self.profile,
+            background_reductions=self.background_reductions,
         )
 
     def gradient_scale(

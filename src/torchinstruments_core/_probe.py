@@ -285,11 +285,16 @@ def measure_site(
 ) -> Measurement:
     """Reduce ``tensor`` on its device, reporting each failing reducer with where it failed."""
     measurement = measurer.measure(tensor, with_histogram=histogram, scale=scale)
+    measurement.then(functools.partial(_report_errors, failures, site))
+    return measurement
+
+
+def _report_errors(failures: FailureReport, site: Site, measurement: Measurement) -> None:
+    """Report each reducer that failed on ``site`` (once its measurement is complete)."""
     for error in measurement.errors:
         where = f"{site.layer} call {site.call_index} {site.signal} {site.tensor_path}"
         key = f"reducer:{type(error).__name__}"
         failures.failed(f"a reducer failed on {where}", error, key, REDUCER_CONSEQUENCE)
-    return measurement
 
 
 def _sentinel(sample: Sample, tensor: torch.Tensor) -> object:

@@ -144,7 +144,13 @@ class Sample:
         return self.kind is RecordKind.FORWARD and self.backward_task is None
 
     def start_transfer(self) -> HostTransfer:
-        """Start moving every device value of this sample to the host."""
+        """Start moving every device value of this sample to the host.
+
+        On the CPU this first waits for the reduction worker to finish this sample's tensors
+        (``Measurement.settle``).
+        """
+        for _, measurement in self._measured:
+            measurement.settle()
         return HostTransfer(list(self._device_tensors()), list(self._events()))
 
     def _events(self) -> Iterator[torch.cuda.Event]:

@@ -12,6 +12,7 @@ transfer, and delivered through the same queue and sink as the samples (see ``_d
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -134,8 +135,8 @@ class StepRecorder:
                 measurement = measure_site(
                     self._measurer, self._failures, item.tensor, site, item.histogram, item.scale
                 )
-                if item.extra_metrics and measurement.reason is None:
-                    _add_extra(measurement, item.extra_metrics)
+                if item.extra_metrics:
+                    measurement.then(functools.partial(_add_extra, item.extra_metrics))
                 record.add(site, measurement)
         record.duration_s += time.perf_counter() - started
 
@@ -175,7 +176,10 @@ def _scalars(item: StepScalars) -> Measurement:
     return Measurement(None, item.metrics, n_finite=item.n_finite.detach(), results=[result])
 
 
-def _add_extra(measurement: Measurement, extra: tuple[tuple[str, torch.Tensor], ...]) -> None:
+def _add_extra(extra: tuple[tuple[str, torch.Tensor], ...], measurement: Measurement) -> None:
+    """Append ``extra``'s values to a complete measurement that has values."""
+    if measurement.reason is not None:
+        return
     names = tuple(name for name, _ in extra)
     device = measurement.n_finite.device if measurement.n_finite is not None else None
     dtype = torch.float32 if device is not None and device.type == "mps" else torch.float64

@@ -1,0 +1,126 @@
+"""The CPU's reduction worker: one thread that reduces sampled tensors while training goes on.
+
+On an accelerator a hook only enqueues its reductions and the device runs them while the host
+goes on. On the CPU the hook would have to run them itself, before the model's next operation.
+Where torch leaves a core free (``torch.get_num_threads()`` below the cores this process may
+use), the hook instead copies the tensor (the model may change it in place once the hook
+returns) and hands the copy to this worker, which runs the reducers while the model computes.
+
+Memory stays within the bound a sampled step already has, one tensor in float32: the copies
+handed over and not yet reduced never hold more bytes than the largest copy so far (or than the
+one being handed over, when it is the largest), and a hook waits until the worker has reduced
+enough to make room. Jobs run in the order they came, so the reducers draw their subsamples in
+the same order as without the worker and give the same values.
+
+The worker never takes the observer's lock and a job never raises (``Measurer`` records errors
+in the measurement), so waiting for it always ends. It is started on the first job and stopped
+by ``close``; in a child made by ``fork`` (which has no worker thread) jobs run in the caller.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+def free_core() -> bool:
+    """Whether torch's intra-op threads leave a core of this process's CPUs free."""
+    import torch
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity mask
+        cores = os.cpu_count() or 1
+    return torch.get_num_threads() < cores
+
+
+class ReductionWorker:
+    """Runs jobs on one daemon thread, in order, holding at most a budget of bytes of input.
+
+    ``submit`` reserves the job's bytes (waiting for room), makes the job on the calling thread
+    (that is where the copy is taken) and queues it; ``wait`` returns once every job has run.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._jobs: collections.deque[tuple[Callable[[], None], int]] = collections.deque()
+        self._held = 0  # bytes reserved by jobs not yet finished
+        self._largest = 0  # the budget: the largest reservation so far
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self._closed = False
+
+    def submit(self, nbytes: int, make: Callable[[], Callable[[], None]]) -> None:
+        """Reserve ``nbytes``, call ``make()`` here for the job, and queue the job.
+
+        Waits while the bytes held plus ``nbytes`` would pass the budget (unless nothing is
+        held). ``make`` must not raise for reasons the job could report itself; if it does, the
+        reservation is released and the error propagates.
+        """
+        if os.getpid() != self._pid or self._closed:  # no worker thread here: run it now
+            make()()
+            return
+        with self._condition:
+            self._largest = max(self._largest, nbytes)
+            while self._held and self._held + nbytes > self._largest:
+                self._condition.wait()
+            self._held += nbytes
+        try:
+            job = make()
+        except BaseException:
+            self._release(nbytes)
+            raise
+        with self._condition:
+            self._jobs.append((job, nbytes))
+            self._start()
+            self._condition.notify_all()
+
+    def wait(self) -> None:
+        """Block until every job submitted so far has run (at once when there are none)."""
+        if os.getpid() != self._pid:
+            return
+        with self._condition:
+            while self._held:
+                self._condition.wait()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread; later jobs run in the caller."""
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
+            thread = self._thread
+        if thread is not None and os.getpid() == self._pid:
+            thread.join()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="torchinstruments-reductions", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._jobs and not self._closed:
+                    self._condition.wait()
+                if not self._jobs:
+                    return
+                job, nbytes = self._jobs.popleft()
+            try:
+                job()
+            except BaseException:  # jobs record their own errors; a stray one must not stop us
+                pass
+            finally:
+                del job  # the job holds its copy: freed before the room is given back
+                self._release(nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        with self._condition:
+            self._held -= nbytes
+            self._condition.notify_all()

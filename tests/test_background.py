@@ -1,0 +1,232 @@
+"""The CPU's reduction worker: same values as inline, bounded copies, errors on the caller.
+
+``background_reductions=True`` forces the worker on (by default it is on only where torch's
+threads leave a core free, which this 2-core machine's default of 2 threads does not).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments_core import (
+    AlwaysSampler,
+    ConfigurationError,
+    ObservationWarning,
+    inject_observer,
+)
+from torchinstruments_core._background import ReductionWorker
+from torchinstruments_core._failures import FailureReport
+from torchinstruments_core._measure import Measurer
+from torchinstruments_core.reducers import HistogramReducer, default_reducers
+from torchinstruments_core.testing import RecordingSink
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # the ReLU changes the first Linear's output in place once its hook has returned
+    return nn.Sequential(
+        nn.Linear(64, 512), nn.ReLU(inplace=True), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 8)
+    )
+
+
+def _records(background_reductions: bool, **options: Any) -> RecordingSink:
+    model = _model()
+    sink = RecordingSink()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        sink=sink,
+        optimizer=optimizer,
+        background_reductions=background_reductions,
+        **options,
+    ) as observer:
+        for step in range(3):
+            observer.begin_step(step, sample=True)
+            model(torch.randn(256, 64, generator=torch.Generator().manual_seed(step))).pow(
+                2
+            ).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            observer.end_step()
+            assert len(sink.samples) == 2 * (step + 1)  # delivered at end_step, as inline
+    return sink
+
+
+def test_the_worker_gives_the_values_of_inline_reduction_bit_for_bit() -> None:
+    """Rows, histograms and step records are identical, in-place changes after the hook too."""
+    inline, worker = _records(False), _records(True)
+    assert [r.rows for r in worker.samples] == [r.rows for r in inline.samples]
+    assert [r.histograms for r in worker.samples] == [r.histograms for r in inline.samples]
+    # the Linear's output was measured before the in-place ReLU cut its negative entries
+    forward, step = (r.sample_id for r in worker.samples[-2:])
+    assert (worker.value("0", "output", "min", sample_id=forward) or 0.0) < 0
+    assert worker.value("1", "output", "min", sample_id=forward) == 0
+    ratio = worker.value("0", "update", "update_to_weight", sample_id=step, tensor_path="weight")
+    assert ratio is not None
+    assert ratio > 0
+
+
+def test_copies_waiting_for_the_worker_never_pass_the_largest_tensor(monkeypatch: Any) -> None:
+    """The bytes handed over and not yet reduced stay within the largest copy, then reach 0."""
+    held: list[int] = []
+    copies: list[weakref.ref[torch.Tensor]] = []
+    submit = ReductionWorker.submit
+
+    def watched(self: ReductionWorker, nbytes: int, make: Any) -> None:
+        def make_and_watch() -> Any:
+            job = make()
+            copies.append(weakref.ref(job.__closure__[0].cell_contents))  # the copy it holds
+            held.append(self._held)
+            return job
+
+        submit(self, nbytes, make_and_watch)
+
+    monkeypatch.setattr(ReductionWorker, "submit", watched)
+    model = _model()
+    largest = 256 * 512 * 4  # the widest activation and its gradient, in float32 bytes
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=RecordingSink(), background_reductions=True
+    ) as observer:
+        observer.begin_step(0, sample=True)
+        model(torch.randn(256, 64)).sum().backward()
+        observer.end_step()
+        assert observer._config.measurer._worker._held == 0  # end_step waited for the worker
+    assert len(held) == 10  # 5 outputs and 5 output gradients, each through the worker
+    assert max(held) <= largest
+    assert all(copy() is None for copy in copies)  # every copy freed once reduced
+
+
+def test_a_failing_reducer_warns_on_the_training_thread(monkeypatch: Any) -> None:
+    """A reducer raising on the worker gives its reason, and one warning in the caller's thread."""
+
+    class Failing:
+        metrics = ("boom",)
+
+        def reduce(self, prepared: Any) -> torch.Tensor:
+            raise RuntimeError("reducer broke")
+
+    reported_in: list[threading.Thread] = []
+    failed = FailureReport.failed
+
+    def watched(self: FailureReport, *args: Any) -> None:
+        reported_in.append(threading.current_thread())
+        failed(self, *args)
+
+    monkeypatch.setattr(FailureReport, "failed", watched)
+    model = nn.Sequential(nn.Linear(4, 4))
+    sink = RecordingSink()
+    with inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        sink=sink,
+        reducers=[*default_reducers(), Failing()],
+        background_reductions=True,
+    ) as observer:
+        observer.begin_step(0, sample=True)
+        loss = model(torch.randn(2, 4)).sum()
+        with pytest.warns(ObservationWarning, match="reducer broke") as caught:
+            loss.backward()  # the sample closes when the backward ends, and settles
+        observer.end_step()
+        assert len(caught) == 1  # one warning per cause
+    assert reported_in == [threading.main_thread()] * 2  # the output and its gradient
+    rows = [r for r in sink.rows if r.metric == "boom"]
+    assert rows
+    assert all(r.value is None for r in rows)
+    assert all("RuntimeError: reducer broke" in (r.unavailable_reason or "") for r in rows)
+    assert sink.value("0", "output", "mean") is not None
+
+
+def test_error_policy_raise_reduces_inline() -> None:
+    """Under ``error_policy="raise"`` the worker is off, so a failure raises in the hook."""
+    with inject_observer(
+        nn.Linear(2, 2), sink=RecordingSink(), error_policy="raise", background_reductions=True
+    ) as observer:
+        assert observer._config.measurer.background is False
+
+
+def test_background_reductions_is_checked() -> None:
+    """Anything but None, True or False is refused, naming the argument."""
+    with pytest.raises(ConfigurationError, match="background_reductions='yes'"):
+        inject_observer(nn.Linear(2, 2), sink=RecordingSink(), background_reductions="yes")  # type: ignore[arg-type]
+
+
+def test_by_default_the_worker_runs_only_where_a_core_is_free(monkeypatch: Any) -> None:
+    """``None`` follows ``torch.get_num_threads()`` against the cores the process may use."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1, 2, 3}, raising=False)
+    measurer = Measurer(default_reducers(), HistogramReducer())
+    tensor = torch.randn(8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert not measurer._in_background(tensor, None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert measurer._in_background(tensor, None)
+    assert not Measurer(default_reducers(), HistogramReducer(), background=False)._in_background(
+        tensor, None
+    )
+    assert not measurer._in_background(torch.randn(8, device="meta"), None)
+
+
+def test_the_worker_runs_jobs_in_order_and_survives_a_failing_job() -> None:
+    """FIFO order, ``wait`` returns when all ran, a raising job does not stop the thread."""
+    worker = ReductionWorker()
+    ran: list[int] = []
+    threads: set[str] = set()
+
+    def job(number: int) -> Any:
+        def run() -> None:
+            threads.add(threading.current_thread().name)
+            if number == 3:
+                raise RuntimeError("a stray error")
+            ran.append(number)
+
+        return run
+
+    for number in range(8):
+        worker.submit(16, functools.partial(job, number))
+    worker.wait()
+    assert ran == [0, 1, 2, 4, 5, 6, 7]
+    assert threads == {"torchinstruments-reductions"}
+    worker.close()
+    worker.submit(16, lambda: job(9))  # closed: runs in the caller, at once
+    assert ran[-1] == 9
+
+
+def test_a_job_that_cannot_be_made_gives_its_room_back() -> None:
+    """If making the job raises (in the hook), the reservation is released and nothing hangs."""
+    worker = ReductionWorker()
+
+    def broken() -> Any:
+        raise MemoryError("no room for the copy")
+
+    with pytest.raises(MemoryError):
+        worker.submit(1 << 20, broken)
+    worker.wait()  # returns: nothing is held
+    worker.submit(1 << 20, lambda: lambda: None)
+    worker.wait()
+    worker.close()
+
+
+def test_removing_the_observer_stops_the_worker_thread() -> None:
+    """No reduction thread outlives its observer."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    observer = inject_observer(
+        model, sampler=AlwaysSampler(), sink=RecordingSink(), background_reductions=True
+    )
+    model(torch.randn(2, 4)).sum().backward()
+    thread = observer._config.measurer._worker._thread
+    assert thread is not None
+    assert thread.is_alive()
+    observer.remove()
+    assert not thread.is_alive()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(2, 4)).sum().backward()  # removed: nothing observes, nothing warns
