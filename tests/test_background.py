@@ -230,3 +230,25 @@ def test_removing_the_observer_stops_the_worker_thread() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(torch.randn(2, 4)).sum().backward()  # removed: nothing observes, nothing warns
+
+
+def test_a_graph_freed_on_the_worker_closes_its_sample_at_the_next_safe_point() -> None:
+    """Garbage collection on the worker defers the close: that thread never waits for a lock."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    sink = RecordingSink()
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=sink, background_reductions=True
+    ) as observer:
+        observer.begin_step(0, sample=True)
+        loss = model(torch.randn(2, 4)).sum()  # kept: no backward, the graph stays alive
+        lifecycle = observer._samples
+        (sample,) = lifecycle._pending.values()
+        worker = observer._config.measurer._worker
+        worker.submit(0, lambda: lambda: lifecycle._on_graph_released(sample))  # as gc would
+        worker.wait()
+        assert sample.sample_id in lifecycle._pending  # not closed on the worker
+        observer.end_step()  # a safe point: closed and delivered here
+        assert sample.sample_id not in lifecycle._pending
+        assert [r.sample_id for r in sink.samples] == [sample.sample_id]
+        assert sink.value("0", "output", "mean") is not None
+        del loss

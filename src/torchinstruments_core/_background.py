@@ -88,6 +88,10 @@ class ReductionWorker:
             while self._held:
                 self._condition.wait()
 
+    def on_thread(self) -> bool:
+        """Whether the caller runs on this worker's thread (inside a job)."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def close(self) -> None:
         """Run what is queued, then stop the thread; later jobs run in the caller."""
         with self._condition:

@@ -11,6 +11,7 @@ Only ``on_root_enter`` and ``on_root_exit`` run on an unsampled forward: keep th
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import weakref
@@ -97,6 +98,7 @@ class SampleLifecycle:
         self._running: dict[int, Sample] = {}  # samples whose forward runs, in any thread
         self._pending: dict[int, Sample] = {}  # forward done, waiting for their backward
         self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
+        self._released: collections.deque[Sample] = collections.deque()  # see _on_graph_released
         self._delivery = DeliveryQueue(self._lock, sink, config.run_id, gate)
         self._profiler = CallProfiler() if config.profile else None
         self._probe = OutputProbe(
@@ -177,6 +179,7 @@ class SampleLifecycle:
 
     def _start(self, step: int | None) -> None:
         started = time.perf_counter()
+        self._close_released()
         self._delivery.drain(wait=False)
         self._sink.open()
         self._measurer.new_sample()
@@ -347,6 +350,7 @@ class SampleLifecycle:
 
     def close_step(self, step: int) -> None:
         """Close the samples of trainer step ``step``; deliver those whose values landed."""
+        self._close_released()
         with self._lock:
             ended = [s for s in self._pending.values() if s.step == step]
         for sample in ended:
@@ -355,6 +359,7 @@ class SampleLifecycle:
 
     def flush(self) -> None:
         """Close every pending sample and deliver every closed one, waiting for the device."""
+        self._close_released()
         with self._lock:
             pending = list(self._pending.values())
         for sample in pending:
@@ -387,7 +392,18 @@ class SampleLifecycle:
         # Autograd freed the graph: no backward will reach this sample any more. This runs inside
         # garbage collection, where an exception cannot reach the user, so under "raise" the
         # sample is delivered at the next safe point (a root forward, end_step, flush, removal).
+        # Garbage collection can also run on the reduction worker, in the middle of a job: that
+        # thread must never wait for the lock (its holder may be waiting for the job), so the
+        # sample is closed at the next safe point instead.
+        if self._measurer.on_worker_thread():
+            self._released.append(sample)
+            return
         self._close(sample, deliver=not self._failures.raises)
+
+    def _close_released(self) -> None:
+        """Close the samples whose graph was freed on the reduction worker (a safe point)."""
+        while self._released:
+            self._close(self._released.popleft())
 
     def _close(self, sample: Sample, *, deliver: bool = True) -> None:
         with self._lock:

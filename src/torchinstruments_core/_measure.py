@@ -135,6 +135,10 @@ class Measurer:
         """Block until the reduction worker has reduced every tensor handed to it."""
         self._worker.wait()
 
+    def on_worker_thread(self) -> bool:
+        """Whether the caller is the reduction worker (garbage collection can run there)."""
+        return self._worker.on_thread()
+
     def close(self) -> None:
         """Reduce what the worker holds and stop its thread; later tensors reduce in the caller."""
         self._worker.close()
