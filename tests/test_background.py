@@ -82,14 +82,17 @@ def test_copies_waiting_for_the_worker_never_pass_the_largest_tensor(monkeypatch
     copies: list[weakref.ref[torch.Tensor]] = []
     submit = ReductionWorker.submit
 
-    def watched(self: ReductionWorker, nbytes: int, make: Any) -> None:
+    def watched(self: ReductionWorker, nbytes: int, make: Any) -> int | None:
+        if not nbytes:  # the sample's end: its subsample positions are dropped in order
+            return submit(self, nbytes, make)
+
         def make_and_watch() -> Any:
             job = make()
             copies.append(weakref.ref(job.__closure__[0].cell_contents))  # the copy it holds
             held.append(self._held)
             return job
 
-        submit(self, nbytes, make_and_watch)
+        return submit(self, nbytes, make_and_watch)
 
     monkeypatch.setattr(ReductionWorker, "submit", watched)
     model = _model()
@@ -133,10 +136,9 @@ def test_a_failing_reducer_warns_on_the_training_thread(monkeypatch: Any) -> Non
         background_reductions=True,
     ) as observer:
         observer.begin_step(0, sample=True)
-        loss = model(torch.randn(2, 4)).sum()
+        model(torch.randn(2, 4)).sum().backward()  # the sample closes; its values still come
         with pytest.warns(ObservationWarning, match="reducer broke") as caught:
-            loss.backward()  # the sample closes when the backward ends, and settles
-        observer.end_step()
+            observer.end_step()  # waits for the worker and delivers: the failure is told here
         assert len(caught) == 1  # one warning per cause
     assert reported_in == [threading.main_thread()] * 2  # the output and its gradient
     rows = [r for r in sink.rows if r.metric == "boom"]

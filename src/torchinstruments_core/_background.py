@@ -51,20 +51,26 @@ class ReductionWorker:
         self._jobs: collections.deque[tuple[Callable[[], None], int]] = collections.deque()
         self._held = 0  # bytes reserved by jobs not yet finished
         self._largest = 0  # the budget: the largest reservation so far
+        self._submitted = 0  # jobs submitted (a job's ticket is the count after it)
+        self._finished = 0  # jobs run to their end, in order
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         self._closed = False
 
-    def submit(self, nbytes: int, make: Callable[[], Callable[[], None]]) -> None:
+    def submit(self, nbytes: int, make: Callable[[], Callable[[], None]]) -> int | None:
         """Reserve ``nbytes``, call ``make()`` here for the job, and queue the job.
 
         Waits while the bytes held plus ``nbytes`` would pass the budget (unless nothing is
         held). ``make`` must not raise for reasons the job could report itself; if it does, the
         reservation is released and the error propagates.
+
+        Returns:
+            The job's ticket for ``done`` and ``wait``; ``None`` when it ran here already
+            (after ``close``, or in a child made by ``fork``).
         """
         if os.getpid() != self._pid or self._closed:  # no worker thread here: run it now
             make()()
-            return
+            return None
         with self._condition:
             self._largest = max(self._largest, nbytes)
             while self._held and self._held + nbytes > self._largest:
@@ -77,15 +83,29 @@ class ReductionWorker:
             raise
         with self._condition:
             self._jobs.append((job, nbytes))
+            self._submitted += 1
             self._start()
             self._condition.notify_all()
+            return self._submitted
 
-    def wait(self) -> None:
-        """Block until every job submitted so far has run (at once when there are none)."""
+    def after_jobs(self, action: Callable[[], None]) -> None:
+        """Run ``action`` after every job submitted so far: now if none is left, else queued."""
+        if self.done(self._submitted):
+            action()
+        else:
+            self.submit(0, lambda: action)
+
+    def done(self, ticket: int) -> bool:
+        """Whether the job with ``ticket`` (and every job before it) has run; never blocks."""
+        return self._finished >= ticket or os.getpid() != self._pid
+
+    def wait(self, ticket: int | None = None) -> None:
+        """Block until the job with ``ticket`` has run; without one, every job submitted."""
         if os.getpid() != self._pid:
             return
         with self._condition:
-            while self._held:
+            goal = self._submitted if ticket is None else ticket
+            while self._finished < goal:
                 self._condition.wait()
 
     def on_thread(self) -> bool:
@@ -122,9 +142,10 @@ class ReductionWorker:
                 pass
             finally:
                 del job  # the job holds its copy: freed before the room is given back
-                self._release(nbytes)
+                self._release(nbytes, finished=1)
 
-    def _release(self, nbytes: int) -> None:
+    def _release(self, nbytes: int, *, finished: int = 0) -> None:
         with self._condition:
             self._held -= nbytes
+            self._finished += finished
             self._condition.notify_all()

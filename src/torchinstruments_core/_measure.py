@@ -57,8 +57,14 @@ class Measurement:
     histogram_float64: bool = False
     errors: list[BaseException] = field(default_factory=list)
     worker: ReductionWorker | None = None
-    """The worker still filling this measurement in; ``None`` once it is complete."""
+    """The worker filling this measurement in (job ``ticket``); ``None`` once settled."""
+    ticket: int | None = None
     finishers: list[Callable[[Measurement], None]] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        """Whether every value is in (no worker job left to run); never blocks."""
+        return self.worker is None or self.ticket is None or self.worker.done(self.ticket)
 
     def then(self, finish: Callable[[Measurement], None]) -> None:
         """Call ``finish(self)`` once complete: now, or in the ``settle`` that completes it.
@@ -75,7 +81,8 @@ class Measurement:
         """Wait for the worker to fill this measurement in, then run what ``then`` deferred."""
         if self.worker is None:
             return
-        self.worker.wait()
+        if self.ticket is not None:
+            self.worker.wait(self.ticket)
         self.worker = None
         finishers, self.finishers = self.finishers, []
         for finish in finishers:
@@ -128,8 +135,8 @@ class Measurer:
 
     def new_sample(self) -> None:
         """Forget the subsample positions of the previous sample; the next one draws its own."""
-        self._worker.wait()  # the worker's jobs of the previous sample still draw from them
-        self._index_cache.clear()
+        # after the worker's jobs of the previous sample, which still draw from them
+        self._worker.after_jobs(self._index_cache.clear)
 
     def wait(self) -> None:
         """Block until the reduction worker has reduced every tensor handed to it."""
@@ -169,7 +176,7 @@ class Measurer:
             measurement.worker = self._worker
             nbytes = plain.numel() * working_dtype(plain.dtype).itemsize
             owned = scale is not None  # the division made a tensor of its own
-            self._worker.submit(
+            measurement.ticket = self._worker.submit(
                 nbytes, lambda: self._job(plain, measurement, with_histogram, owned=owned)
             )
         else:
