@@ -136,10 +136,11 @@ def test_a_failing_reducer_warns_on_the_training_thread(monkeypatch: Any) -> Non
         background_reductions=True,
     ) as observer:
         observer.begin_step(0, sample=True)
-        model(torch.randn(2, 4)).sum().backward()  # the sample closes; its values still come
+        loss = model(torch.randn(2, 4)).sum()
         with pytest.warns(ObservationWarning, match="reducer broke") as caught:
-            observer.end_step()  # waits for the worker and delivers: the failure is told here
+            loss.backward()  # the sample closes, waits for the worker: the failure is told here
         assert len(caught) == 1  # one warning per cause
+        observer.end_step()
     assert reported_in == [threading.main_thread()] * 2  # the output and its gradient
     rows = [r for r in sink.rows if r.metric == "boom"]
     assert rows

@@ -43,17 +43,14 @@ class DeliveryQueue:
         self._run_id = run_id
         self._gate = gate
         self._pid = os.getpid()  # only this process delivers samples
-        # a transfer is None until the sample's CPU reductions are done (see ``push``)
-        self._in_flight: collections.deque[tuple[Sample, HostTransfer | None]] = collections.deque()
+        self._in_flight: collections.deque[tuple[Sample, HostTransfer]] = collections.deque()
         self._draining = False
 
     def push(self, sample: Sample) -> None:
-        """Start moving ``sample``'s values to the host and queue it for delivery.
-
-        A sample whose CPU reductions the worker still runs starts its transfer when they are
-        done, in a later ``drain``: closing it (at the end of a backward) never waits for them.
-        """
-        transfer = self._start_transfer(sample) if sample.reductions_ready() else None
+        """Start moving ``sample``'s values to the host and queue it for delivery."""
+        started = time.perf_counter()
+        transfer = sample.start_transfer()
+        sample.duration_s += time.perf_counter() - started
         with self._lock:
             self._in_flight.append((sample, transfer))
 
@@ -66,24 +63,12 @@ class DeliveryQueue:
             try:
                 while self._in_flight:
                     sample, transfer = self._in_flight[0]
-                    if transfer is None:
-                        if not wait and not sample.reductions_ready():
-                            break
-                        transfer = self._start_transfer(sample)  # waits for the worker
                     if not wait and not transfer.ready():
-                        self._in_flight[0] = (sample, transfer)
                         break
                     self._in_flight.popleft()
                     self._deliver(sample, transfer)
             finally:
                 self._draining = False
-
-    @staticmethod
-    def _start_transfer(sample: Sample) -> HostTransfer:
-        started = time.perf_counter()
-        transfer = sample.start_transfer()
-        sample.duration_s += time.perf_counter() - started
-        return transfer
 
     def abandon(self, lock: threading.RLock) -> None:
         """Drop every queued sample and use ``lock`` from now on (in a child made by ``fork``)."""

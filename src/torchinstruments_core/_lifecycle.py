@@ -349,16 +349,12 @@ class SampleLifecycle:
     # -- closing, removal and fork -------------------------------------------------------------
 
     def close_step(self, step: int) -> None:
-        """Close the samples of trainer step ``step``; deliver those whose values landed.
-
-        On the CPU that is all of them: the reduction worker's jobs are waited for here.
-        """
+        """Close the samples of trainer step ``step``; deliver those whose values landed."""
         self._close_released()
         with self._lock:
             ended = [s for s in self._pending.values() if s.step == step]
         for sample in ended:
             self._close(sample)
-        self._measurer.wait()
         self._delivery.drain(wait=False)
 
     def flush(self) -> None:

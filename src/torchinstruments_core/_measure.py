@@ -61,11 +61,6 @@ class Measurement:
     ticket: int | None = None
     finishers: list[Callable[[Measurement], None]] = field(default_factory=list)
 
-    @property
-    def ready(self) -> bool:
-        """Whether every value is in (no worker job left to run); never blocks."""
-        return self.worker is None or self.ticket is None or self.worker.done(self.ticket)
-
     def then(self, finish: Callable[[Measurement], None]) -> None:
         """Call ``finish(self)`` once complete: now, or in the ``settle`` that completes it.
 

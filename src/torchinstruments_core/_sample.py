@@ -143,10 +143,6 @@ class Sample:
         """Whether no backward reached this sample (never, for a step record)."""
         return self.kind is RecordKind.FORWARD and self.backward_task is None
 
-    def reductions_ready(self) -> bool:
-        """Whether the reduction worker has filled in every measurement; never blocks."""
-        return all(measurement.ready for _, measurement in self._measured)
-
     def start_transfer(self) -> HostTransfer:
         """Start moving every device value of this sample to the host.
 
