@@ -255,3 +255,16 @@ def test_a_graph_freed_on_the_worker_closes_its_sample_at_the_next_safe_point() 
         assert [r.sample_id for r in sink.samples] == [sample.sample_id]
         assert sink.value("0", "output", "mean") is not None
         del loss
+
+
+def test_the_adapters_options_pass_background_reductions_through() -> None:
+    """``TelemetryOptions`` (every adapter's options) hands the choice to ``inject_observer``."""
+    from torchinstruments_core.adapter import TelemetryOptions
+
+    for choice in (None, True, False):
+        options = TelemetryOptions(background_reductions=choice)
+        observer = options.inject(nn.Linear(2, 2), sink=RecordingSink(), run_id="run")
+        try:
+            assert observer._config.measurer.background is choice
+        finally:
+            observer.remove()
