@@ -268,3 +268,19 @@ def test_the_adapters_options_pass_background_reductions_through() -> None:
             assert observer._config.measurer.background is choice
         finally:
             observer.remove()
+
+
+def test_a_copy_that_fails_gives_a_reason_and_never_raises(monkeypatch: Any) -> None:
+    """Out of memory for the copy: the rows say ``reducer_error``, the step goes on."""
+    measurer = Measurer(default_reducers(), HistogramReducer(), background=True)
+
+    def no_memory(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    monkeypatch.setattr(Measurer, "_job", no_memory)
+    measurement = measurer.measure(torch.randn(16), with_histogram=False)
+    assert measurement.reason is not None
+    assert measurement.reason.startswith("reducer_error: RuntimeError: DefaultCPUAllocator")
+    assert measurement.worker is None
+    measurer.wait()  # nothing held back
+    measurer.close()

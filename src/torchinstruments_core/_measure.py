@@ -167,15 +167,18 @@ class Measurer:
         if isinstance(plain, UnavailableReason):
             return Measurement(reason=plain, metrics=self.metrics)
         measurement = Measurement(None, self.metrics)
-        if self._in_background(plain, scale):
-            measurement.worker = self._worker
-            nbytes = plain.numel() * working_dtype(plain.dtype).itemsize
-            owned = scale is not None  # the division made a tensor of its own
+        if not self._in_background(plain, scale):
+            self._fill(plain, measurement, with_histogram)
+            return measurement
+        nbytes = plain.numel() * working_dtype(plain.dtype).itemsize
+        owned = scale is not None  # the division made a tensor of its own
+        try:
             measurement.ticket = self._worker.submit(
                 nbytes, lambda: self._job(plain, measurement, with_histogram, owned=owned)
             )
-        else:
-            self._fill(plain, measurement, with_histogram)
+        except Exception as error:  # the copy failed (out of memory): no job, a reason
+            return Measurement(reducer_error_reason(error), self.metrics, errors=[error])
+        measurement.worker = self._worker
         return measurement
 
     def _plain(
