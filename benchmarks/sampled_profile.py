@@ -8,10 +8,14 @@ The engine's functions are wrapped with timers (wall clock, ``time.perf_counter`
 against tens to hundreds for what they time) and a workload runs
 ``--steps`` sampled steps after three warm-up steps, then as many unsampled ones. Reported per
 sampled step: the step itself, the unsampled step, and each phase in milliseconds, split by the
-thread it ran on. Phases nest: ``measure`` holds ``prepare`` (the flattened copy and the
-blocked statistics pass) and the reducers; ``deliver`` holds ``build`` (rows and histogram
-edges) and the hand-over to the sink. On the writer thread (run directory): turning samples into
-Parquet chunks, the TensorBoard histograms and the aggregates of ``result.json``.
+thread it ran on: ``training``, ``reductions`` (the CPU reduction worker, on where torch's
+threads leave a core free: with the default ``--threads 1`` on two cores or more) and
+``writer`` (the run directory's). Phases nest: ``measure`` (the hook's part) holds the
+hand-over to the worker (the copy, and any wait for room), or, without the worker, the
+reductions themselves; ``reduce: all reducers of a tensor`` holds the statistics pass and each
+reducer; ``deliver`` holds ``build`` (rows and histogram edges) and the hand-over to the sink.
+On the writer thread: turning samples into Parquet chunks, the TensorBoard histograms and the
+aggregates of ``result.json``.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ _clock = time.perf_counter
 
 
 def _timed(owner: Any, attribute: str, phase: str) -> None:
-    """Replace ``owner.attribute`` with a wrapper adding its wall time to ``phase``."""
+    """Replace ``owner.attribute`` with a wrapper adding its time to ``phase``, per thread."""
     original = getattr(owner, attribute)
 
     @functools.wraps(original)
@@ -45,22 +49,31 @@ def _timed(owner: Any, attribute: str, phase: str) -> None:
         try:
             return original(*args, **kwargs)
         finally:
-            thread = "training" if threading.current_thread() is _MAIN else "writer"
-            _TIMES[thread, phase] += _clock() - started
+            _TIMES[_thread(), phase] += _clock() - started
 
     setattr(owner, attribute, wrapper)
 
 
+def _thread() -> str:
+    current = threading.current_thread()
+    if current is _MAIN:
+        return "training"
+    return "reductions" if current.name == "torchinstruments-reductions" else "writer"
+
+
 def _instrument() -> None:
-    from torchinstruments_core import _delivery, _measure, _sample, reducers
+    from torchinstruments_core import _background, _delivery, _measure, _sample, reducers
+    from torchinstruments_core.reducers import base
     from torchinstruments_core.run_directory import _aggregate, _tensorboard, _writer
 
     _timed(_measure.Measurer, "measure", "measure")
-    _timed(_measure.Measurer, "_prepare", "measure: prepare (copy, statistics pass)")
-    _timed(reducers.MomentsReducer, "reduce", "measure: moments")
-    _timed(reducers.QuantileReducer, "reduce", "measure: quartiles (gather, select)")
-    _timed(reducers.HistogramReducer, "reduce", "measure: histogram (binning)")
-    _timed(_sample.Sample, "start_transfer", "transfer to host")
+    _timed(_background.ReductionWorker, "submit", "measure: hand-over (copy, wait for room)")
+    _timed(_measure.Measurer, "_fill", "reduce: all reducers of a tensor")
+    _timed(base, "summarize", "reduce: statistics pass")
+    _timed(reducers.MomentsReducer, "reduce", "reduce: moments")
+    _timed(reducers.QuantileReducer, "reduce", "reduce: quartiles (gather, select)")
+    _timed(reducers.HistogramReducer, "reduce", "reduce: histogram (binning)")
+    _timed(_sample.Sample, "start_transfer", "transfer to host (waits for the worker)")
     _timed(_delivery.DeliveryQueue, "_deliver", "deliver")
     _timed(_sample.Sample, "build", "deliver: build (rows, histogram edges)")
     _timed(_writer, "history_frame", "history chunk: frame")

@@ -23,6 +23,7 @@ from torchinstruments_core import (
     ObservationWarning,
     inject_observer,
 )
+from torchinstruments_core import _background as background
 from torchinstruments_core._background import ReductionWorker
 from torchinstruments_core._failures import FailureReport
 from torchinstruments_core._measure import Measurer
@@ -166,6 +167,8 @@ def test_background_reductions_is_checked() -> None:
 def test_by_default_the_worker_runs_only_where_a_core_is_free(monkeypatch: Any) -> None:
     """``None`` follows ``torch.get_num_threads()`` against the cores the process may use."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1, 2, 3}, raising=False)
+    background._cores.cache_clear()
+    monkeypatch.setattr(background, "_cores", functools.cache(background._cores.__wrapped__))
     measurer = Measurer(default_reducers(), HistogramReducer())
     tensor = torch.randn(8)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)

@@ -20,6 +20,7 @@ by ``close``; in a child made by ``fork`` (which has no worker thread) jobs run 
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import threading
 from typing import TYPE_CHECKING
@@ -32,11 +33,16 @@ def free_core() -> bool:
     """Whether torch's intra-op threads leave a core of this process's CPUs free."""
     import torch
 
+    return torch.get_num_threads() < _cores()
+
+
+@functools.cache
+def _cores() -> int:
+    """The cores this process may run on, read once (an affinity changed later is not seen)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS and Windows have no affinity mask
-        cores = os.cpu_count() or 1
-    return torch.get_num_threads() < cores
+        return os.cpu_count() or 1
 
 
 class ReductionWorker:

@@ -210,8 +210,7 @@ class Measurer:
         """
         with torch.no_grad():
             copy = plain.detach().reshape(-1).to(working_dtype(plain.dtype))
-            shared = copy.untyped_storage().data_ptr() == plain.untyped_storage().data_ptr()
-            if shared and not owned:
+            if copy.data_ptr() == plain.data_ptr() and not owned:  # a view: copy it
                 copy = copy.clone()
         return lambda: self._fill(copy, measurement, with_histogram)
 
