@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
 from torchinstruments_core.reducers import _binning, _edges
-from torchinstruments_core.reducers._bin_keys import bin_keys, lane_pattern
+from torchinstruments_core.reducers._bin_keys import PAIRS_FROM, bin_keys, lane_pattern
 from torchinstruments_core.reducers._host_binning import BLOCK, host_grid, host_histogram_counts
 from torchinstruments_core.reducers.base import PreparedTensor
 
@@ -110,16 +112,20 @@ def _numpy_counts(values: np.ndarray, packed: torch.Tensor, bins: int) -> list[f
     return expected
 
 
+@pytest.mark.parametrize("numel", [20_001, PAIRS_FROM + 5])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("bins", [1, 2, 84, 85, 127, 128, 10_921, 10_922, 65_536])
-def test_every_key_layout_counts_like_numpy_histogram(dtype: type[np.floating], bins: int) -> None:
+def test_every_key_layout_counts_like_numpy_histogram(
+    dtype: type[np.floating], bins: int, numel: int
+) -> None:
     """Every key layout counts what numpy.histogram and the torch binning count.
 
-    Paired bytes with three lanes (up to 84 bins) or two (up to 127), int16 keys with three
-    lanes (up to 10,921), int32 keys with one (up to 65,536), on zeros and a narrow peak with
-    the histogram's own edges (ties) added.
+    Single keys with three lanes as bytes (up to 84 bins) or int16 (up to 10,921), int32 keys
+    with one lane (up to 65,536), and for large tensors paired bytes with three lanes (up to
+    84 bins) or two (up to 127); on zeros and a narrow peak with the histogram's own edges
+    (ties) added.
     """
-    values = _relu_like(3 * BLOCK + 5, dtype, bins)
+    values = _relu_like(numel, dtype, bins)
     tensor = torch.from_numpy(values)
     packed = host_histogram_counts(tensor, values.min(), values.max(), bins, 2**20)
     lo, hi, scale = packed[:3].tolist()
@@ -133,7 +139,9 @@ def test_every_key_layout_counts_like_numpy_histogram(dtype: type[np.floating], 
 
 
 @pytest.mark.parametrize("bins", [64, 1000])
-@pytest.mark.parametrize("numel", [1, 2, 3, 17, BLOCK - 1, BLOCK + 1, 2 * BLOCK + 3])
+@pytest.mark.parametrize(
+    "numel", [1, 2, 3, 17, BLOCK - 1, BLOCK + 1, 2 * BLOCK + 3, PAIRS_FROM + 1]
+)
 def test_counts_do_not_depend_on_how_entries_are_split(bins: int, numel: int) -> None:
     """Counts do not depend on the span and block lengths, and equal numpy's.
 
@@ -144,7 +152,7 @@ def test_counts_do_not_depend_on_how_entries_are_split(bins: int, numel: int) ->
     tensor = torch.from_numpy(values)
     whole = host_histogram_counts(tensor, values.min(), values.max(), bins, 2**20)
     assert whole[3 : 3 + bins].tolist() == _numpy_counts(values, whole, bins)
-    for chunk_size in (1, 2, 3, 5, BLOCK - 1, BLOCK + 1):
+    for chunk_size in (1, 2, 3, 5, 2001, BLOCK - 1, BLOCK + 1):
         if numel // chunk_size > 200:  # a bincount per span: keep the test short
             continue
         split = host_histogram_counts(tensor, values.min(), values.max(), bins, chunk_size)
@@ -157,8 +165,8 @@ def test_lane_pattern_gives_neighbours_different_tables() -> None:
     So a run of one bin (pairs of bytes, or single keys) increments ``lanes`` different
     counters in turn.
     """
-    for bins in (64, 100, 1000):
-        keys = bin_keys(bins)
+    for bins, entries in itertools.product((64, 100, 1000), (1, PAIRS_FROM)):
+        keys = bin_keys(bins, entries)
         bins_of = np.zeros(6 * keys.period, dtype=keys.dtype)
         found = keys.keys(bins_of + lane_pattern(keys, bins_of.size)[: bins_of.size])
         per_key = np.unique(found[: keys.lanes]).size

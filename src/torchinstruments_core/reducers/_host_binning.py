@@ -82,8 +82,8 @@ def host_histogram_counts(
         lo: Its smallest entry.
         hi: Its largest entry.
         bins: Number of bins.
-        chunk_size: Entries whose bins are held and counted at once (one byte each up to 127
-            bins, two up to 10,921, else four).
+        chunk_size: Entries whose bins are held and counted at once (one byte each up to 84
+            bins, or 127 for large tensors, two up to 10,921, else four).
 
     Returns:
         The ``bins + 4`` packed values of ``histogram_counts``, in the working dtype.
@@ -91,7 +91,7 @@ def host_histogram_counts(
     entries: NDArray[np.floating] = values.numpy()
     dtype = entries.dtype.type
     grid = host_grid(lo, hi, bins, dtype)
-    keys = bin_keys(bins)
+    keys = bin_keys(bins, entries.size)
     block = min(chunk_size, BLOCK)
     span = min(chunk_size, entries.size)
     # one more entry than a span, to complete the last pair of an odd span
