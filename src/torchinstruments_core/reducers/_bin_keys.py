@@ -3,8 +3,8 @@
 ``torch.bincount`` adds one to a counter per key, in a scalar loop. When neighbouring keys
 repeat (the zeros of a ReLU, a gradient's narrow peak) each increment waits for the one before
 it to be stored, and when they mix with others the processor mispredicts which increments
-depend on which: a ReLU output counted that way costs 1.5 times random data, a gradient twice.
-Two changes take that away and halve the loop:
+depend on which: a ReLU output counted that way costs 1.5 times random data, a gradient two to
+three times. Lanes take that away, and pairs halve the loop for large tensors:
 
 - Lanes: neighbouring keys go to separate copies of the table (key ``bin + lane * width``,
   the lane cycling with the position), so repeats are ``lanes`` increments apart.
