@@ -168,7 +168,7 @@ def test_lane_pattern_gives_neighbours_different_tables() -> None:
     for bins, entries in itertools.product((64, 100, 1000), (1, PAIRS_FROM)):
         keys = bin_keys(bins, entries)
         bins_of = np.zeros(6 * keys.period, dtype=keys.dtype)
-        found = keys.keys(bins_of + lane_pattern(keys, bins_of.size)[: bins_of.size])
+        found = keys.view(bins_of + lane_pattern(keys, bins_of.size)[: bins_of.size])
         per_key = np.unique(found[: keys.lanes]).size
         assert per_key == keys.lanes
         assert (found[keys.lanes :] == found[: -keys.lanes]).all()

@@ -69,7 +69,7 @@ class BinKeys:
         """Number of distinct keys: the ``minlength`` of the count."""
         return 256 * self.width if self.paired else self.lanes * self.width
 
-    def keys(self, bins: NDArray[np.integer]) -> NDArray[np.integer]:
+    def view(self, bins: NDArray[np.integer]) -> NDArray[np.integer]:
         """The keys of a buffer of bins (an even number for pairs), lanes added: a view."""
         return bins.view(np.int16) if self.paired else bins
 

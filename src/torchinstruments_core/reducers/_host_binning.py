@@ -127,12 +127,13 @@ def _count_span(
         part = entries[start : start + block]
         found = scratch.bins[filled : filled + part.size]
         _bins(part, grid, scratch.offsets[: part.size], found)
-        phase = filled % keys.period
-        np.add(found, pattern[phase : phase + part.size], out=found)
+        if keys.lanes > 1:
+            phase = filled % keys.period
+            np.add(found, pattern[phase : phase + part.size], out=found)
         filled += part.size
     padding = filled % 2 if keys.paired else 0
     scratch.bins[filled : filled + padding] = 0
-    counted = keys.keys(scratch.bins[: filled + padding])
+    counted = keys.view(scratch.bins[: filled + padding])
     table += torch.bincount(torch.from_numpy(counted), minlength=keys.size).numpy()
     return padding
 
