@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
 from torchinstruments_core.reducers import _binning, _edges
-from torchinstruments_core.reducers._host_binning import host_grid, host_histogram_counts
+from torchinstruments_core.reducers._bin_keys import PAIRS_FROM, bin_keys, lane_pattern
+from torchinstruments_core.reducers._host_binning import BLOCK, host_grid, host_histogram_counts
 from torchinstruments_core.reducers.base import PreparedTensor
 
 
@@ -91,3 +94,81 @@ def test_edges_from_a_wrong_guess_equal_those_from_the_float64_estimate(
         assert (
             np.histogram(values, bins=np.array(edges, dtype=np.float32))[0].tolist() == packed[3:67]
         )
+
+
+def _relu_like(numel: int, dtype: type[np.floating], seed: int) -> np.ndarray:
+    """Half zeros, the rest a peaked gradient-like spread: the repeats that lanes are for."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(numel) * rng.standard_normal(numel) ** 3
+    values[rng.random(numel) < 0.5] = 0
+    return values.astype(dtype)
+
+
+def _numpy_counts(values: np.ndarray, packed: torch.Tensor, bins: int) -> list[float]:
+    """numpy.histogram of ``values`` with the edges that ``packed``'s grid defines."""
+    lo, hi, scale = packed[:3].tolist()
+    edges = _edges.histogram_edges(lo, hi, scale, bins, float64=values.dtype == np.float64)
+    expected: list[float] = np.histogram(values, bins=np.array(edges, values.dtype))[0].tolist()
+    return expected
+
+
+@pytest.mark.parametrize("numel", [20_001, PAIRS_FROM + 5])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bins", [1, 2, 84, 85, 127, 128, 10_921, 10_922, 65_536])
+def test_every_key_layout_counts_like_numpy_histogram(
+    dtype: type[np.floating], bins: int, numel: int
+) -> None:
+    """Every key layout counts what numpy.histogram and the torch binning count.
+
+    Single keys with three lanes as bytes (up to 84 bins) or int16 (up to 10,921), int32 keys
+    with one lane (up to 65,536), and for large tensors paired bytes with three lanes (up to
+    84 bins) or two (up to 127); on zeros and a narrow peak with the histogram's own edges
+    (ties) added.
+    """
+    values = _relu_like(numel, dtype, bins)
+    tensor = torch.from_numpy(values)
+    packed = host_histogram_counts(tensor, values.min(), values.max(), bins, 2**20)
+    lo, hi, scale = packed[:3].tolist()
+    edges = _edges.histogram_edges(lo, hi, scale, bins, float64=dtype == np.float64)
+    on_edges = np.concatenate([values, np.array(edges[1:-1], dtype)])
+    packed = host_histogram_counts(
+        torch.from_numpy(on_edges), on_edges.min(), on_edges.max(), bins, 2**20
+    )
+    assert packed[3 : 3 + bins].tolist() == _numpy_counts(on_edges, packed, bins)
+    assert torch.equal(packed, _torch_path(torch.from_numpy(on_edges), bins))
+
+
+@pytest.mark.parametrize("bins", [64, 1000])
+@pytest.mark.parametrize(
+    "numel", [1, 2, 3, 17, BLOCK - 1, BLOCK + 1, 2 * BLOCK + 3, PAIRS_FROM + 1]
+)
+def test_counts_do_not_depend_on_how_entries_are_split(bins: int, numel: int) -> None:
+    """Counts do not depend on the span and block lengths, and equal numpy's.
+
+    Spans of any length (odd ones padded to complete their last pair), blocks that start at
+    any phase of the lane pattern.
+    """
+    values = _relu_like(numel, np.float32, numel)
+    tensor = torch.from_numpy(values)
+    whole = host_histogram_counts(tensor, values.min(), values.max(), bins, 2**20)
+    assert whole[3 : 3 + bins].tolist() == _numpy_counts(values, whole, bins)
+    for chunk_size in (1, 2, 3, 5, 2001, BLOCK - 1, BLOCK + 1):
+        if numel // chunk_size > 200:  # a bincount per span: keep the test short
+            continue
+        split = host_histogram_counts(tensor, values.min(), values.max(), bins, chunk_size)
+        assert torch.equal(split, whole), chunk_size
+
+
+def test_lane_pattern_gives_neighbours_different_tables() -> None:
+    """Neighbouring keys differ in lane, and the lane pattern repeats every period.
+
+    So a run of one bin (pairs of bytes, or single keys) increments ``lanes`` different
+    counters in turn.
+    """
+    for bins, entries in itertools.product((64, 100, 1000), (1, PAIRS_FROM)):
+        keys = bin_keys(bins, entries)
+        bins_of = np.zeros(6 * keys.period, dtype=keys.dtype)
+        found = keys.view(bins_of + lane_pattern(keys, bins_of.size)[: bins_of.size])
+        per_key = np.unique(found[: keys.lanes]).size
+        assert per_key == keys.lanes
+        assert (found[keys.lanes :] == found[: -keys.lanes]).all()

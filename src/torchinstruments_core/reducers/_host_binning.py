@@ -4,8 +4,9 @@
 than binning a 131,072-entry tensor. When the statistics pass has already read the min and the
 max on the host (``PreparedTensor.host_summary``), this module does the same float operations
 on numpy scalars of the working dtype (bit for bit the same grid, so the same bins and edges)
-and bins with numpy arithmetic, which has no dispatch cost per call, counting with
-``torch.bincount`` on a shared view (twice as fast as numpy's).
+and bins with numpy arithmetic into preallocated buffers (no dispatch cost per call, no
+temporaries), counting with ``torch.bincount`` on a shared view (twice as fast as numpy's) of
+keys that pair neighbouring entries and spread repeats over lanes (``_bin_keys``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
+from torchinstruments_core.reducers._bin_keys import BinKeys, bin_keys, lane_pattern
 from torchinstruments_core.reducers._host import HOST_BLOCK
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
+
+BLOCK = HOST_BLOCK // 2
+"""Entries binned at a time: with their offsets, their bins and the key table beside them, half a
+statistics block keeps binning's working set in the L2 cache (5 % faster than a whole one)."""
 
 
 class HostGrid(NamedTuple):
@@ -56,17 +62,28 @@ def host_grid(lo: float, hi: float, bins: int, dtype: type[np.floating]) -> Host
     return HostGrid(wide_low, wide_high, half_lo, scale)
 
 
+class _Scratch(NamedTuple):
+    """The buffers of one histogram: a block's offsets, and the bins of a span of entries."""
+
+    offsets: NDArray[np.floating]
+    bins: NDArray[np.integer]
+
+
 def host_histogram_counts(
     values: torch.Tensor, lo: float, hi: float, bins: int, chunk_size: int
 ) -> torch.Tensor:
     """``histogram_counts`` of an all-finite flat CPU tensor whose min and max are known.
+
+    Bins are computed block by block (``BLOCK`` entries, in the L2 cache) into a buffer
+    of ``chunk_size`` entries, whose keys (``_bin_keys``) one ``torch.bincount`` counts.
 
     Args:
         values: The flat float32 or float64 CPU tensor, every entry finite.
         lo: Its smallest entry.
         hi: Its largest entry.
         bins: Number of bins.
-        chunk_size: Elements per block (at most ``HOST_BLOCK``, to stay in the L2 cache).
+        chunk_size: Entries whose bins are held and counted at once (one byte each up to 84
+            bins, or 127 for large tensors, two up to 10,921, else four).
 
     Returns:
         The ``bins + 4`` packed values of ``histogram_counts``, in the working dtype.
@@ -74,26 +91,68 @@ def host_histogram_counts(
     entries: NDArray[np.floating] = values.numpy()
     dtype = entries.dtype.type
     grid = host_grid(lo, hi, bins, dtype)
-    size = min(chunk_size, HOST_BLOCK, entries.size)
-    offsets = np.empty(size, dtype=dtype)
-    # torch's bincount (numpy's is 2x slower), a quarter faster on bytes than on int32
-    buckets = torch.empty(size, dtype=torch.uint8 if bins < 255 else torch.int32)
-    index = buckets.numpy()
-    counts = torch.zeros(bins + 1, dtype=torch.int64)
-    half = dtype(0.5)
-    for start in range(0, entries.size, size):
-        block = entries[start : start + size]
-        part = offsets[: block.size]
-        np.multiply(block, half, out=part)
-        np.subtract(part, grid.half_lo, out=part)
-        np.multiply(part, grid.scale, out=part)
-        np.copyto(index[: block.size], part, casting="unsafe")  # truncates toward zero
-        counts += torch.bincount(buckets[: block.size], minlength=bins + 1)
-    # the top bucket (the max, up to rounding) joins the last bin
-    binned = counts.numpy()
+    keys = bin_keys(bins, entries.size)
+    block = min(chunk_size, BLOCK)
+    span = min(chunk_size, entries.size)
+    # one more entry than a span, to complete the last pair of an odd span
+    scratch = _Scratch(np.empty(min(block, span), dtype), np.empty(span + 1, keys.dtype))
+    pattern = lane_pattern(keys, block)
+    table = np.zeros(keys.size, dtype=np.int64)
+    padding = 0
+    for start in range(0, entries.size, span):
+        part = entries[start : start + span]
+        padding += _count_span(part, grid, keys, scratch, pattern, table)
+    binned = keys.counts(table, padding)
     packed = np.empty(bins + 4, dtype=dtype)
     packed[:3] = (grid.lo, grid.hi, grid.scale)
     packed[3 : 2 + bins] = binned[: bins - 1]
+    # the top bucket (the max, up to rounding) joins the last bin
     packed[2 + bins] = binned[bins - 1] + binned[bins]
     packed[3 + bins] = 0
     return torch.from_numpy(packed)
+
+
+def _count_span(
+    entries: NDArray[np.floating],
+    grid: HostGrid,
+    keys: BinKeys,
+    scratch: _Scratch,
+    pattern: NDArray[np.integer],
+    table: NDArray[np.int64],
+) -> int:
+    """Add the keys of a span of entries to ``table``; return the padding added (0 or 1)."""
+    filled = 0
+    block = scratch.offsets.size
+    for start in range(0, entries.size, block):
+        part = entries[start : start + block]
+        found = scratch.bins[filled : filled + part.size]
+        _bins(part, grid, scratch.offsets[: part.size], found)
+        if keys.lanes > 1:
+            phase = filled % keys.period
+            np.add(found, pattern[phase : phase + part.size], out=found)
+        filled += part.size
+    padding = filled % 2 if keys.paired else 0
+    scratch.bins[filled : filled + padding] = 0
+    counted = keys.view(scratch.bins[: filled + padding])
+    table += torch.bincount(torch.from_numpy(counted), minlength=keys.size).numpy()
+    return padding
+
+
+def _bins(
+    entries: NDArray[np.floating],
+    grid: HostGrid,
+    offsets: NDArray[np.floating],
+    found: NDArray[np.integer],
+) -> None:
+    """Into ``found``: the bin of each entry, ``bins`` for the max, with ``offsets`` as scratch.
+
+    The float operations of ``_binning._Grid.offset``, but subtracting ``half_lo`` only when
+    it is not zero (``lo`` is 0 after a ReLU): ``v - 0`` is ``v`` up to the sign of a zero, and
+    both zeros truncate to bin 0.
+    """
+    dtype = offsets.dtype.type
+    np.multiply(entries, dtype(0.5), out=offsets)
+    if grid.half_lo != 0:
+        np.subtract(offsets, grid.half_lo, out=offsets)
+    np.multiply(offsets, grid.scale, out=offsets)
+    np.copyto(found, offsets, casting="unsafe")  # truncates toward zero

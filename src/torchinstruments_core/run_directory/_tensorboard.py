@@ -13,6 +13,10 @@ rows name the parameter, with the metrics their signal's definition routes
 ``telemetry/model/<signal>/<metric>`` (``telemetry/model/parameter_gradient/l2_norm``), its
 summaries ``telemetry/step/nonfinite_tensors`` and ``…/collection_duration_ms``. The step is the
 trainer's step when there is one, else the sample id.
+
+The file is an ``_event_file.EventFile``: the records a ``SummaryWriter`` would write, written
+and flushed by the run directory's writer thread at each sample, without TensorBoard's writer
+thread and its byte-by-byte checksum.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from torchinstruments_core._exceptions import MissingDependencyError
 from torchinstruments_core.routing import LoggerRouter, SummaryWriterTarget
+from torchinstruments_core.run_directory._event_file import EventFile
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -47,8 +52,10 @@ class TensorBoardHistograms:
         self._router.open(run)
 
     def __call__(self, sample: SampleRecord) -> None:
-        """Write the histograms and scalars of one sample."""
+        """Write the histograms and scalars of one sample, and flush them to the file."""
         self._router.write(sample)
+        if self._target is not None:
+            self._target.writer.flush()
 
     def close(self) -> None:
         """Flush and close the event file."""
@@ -59,10 +66,10 @@ class TensorBoardHistograms:
     def _open(self) -> SummaryWriterTarget:
         if self._target is None:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                events = EventFile(self._folder)
             except ImportError as error:
                 raise MissingDependencyError(
                     "TensorBoard histograms need the tensorboard package: pip install tensorboard"
                 ) from error
-            self._target = SummaryWriterTarget(SummaryWriter(log_dir=str(self._folder)))
+            self._target = SummaryWriterTarget(events)
         return self._target
