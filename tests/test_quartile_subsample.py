@@ -130,10 +130,8 @@ def test_subsampled_quartiles_keep_the_stated_rank_bound(shape: str, numel: int)
     assert np.mean(errors) <= 1.25 * MEAN_ERROR
 
 
-def test_the_default_subsample_is_selected_by_one_partition(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """8,192 entries take the plain partition (no pilot); the bracketed path starts at 18,432."""
+def test_the_default_subsample_takes_one_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """8,192 entries are sorted whole (no pilot); the bracketed path starts at 18,432."""
     assert DEFAULT_SAMPLE_SIZE < _select._DIRECT
 
     def no_pilot(*args: object) -> dict[int, float]:
