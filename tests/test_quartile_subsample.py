@@ -144,6 +144,26 @@ def test_the_default_subsample_takes_one_sort(monkeypatch: pytest.MonkeyPatch) -
     assert quantiles(prepared).isfinite().all()
 
 
+@pytest.mark.parametrize("kwargs", [{"sample_size": 32768}, {"exact": True}])
+def test_larger_selections_take_the_bracketed_path(
+    kwargs: dict[str, int | bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A larger ``sample_size`` or ``exact=True`` selects through the pilot, exactly."""
+    calls: list[int] = []
+    original = _select._bracketed
+
+    def counting(*args: object) -> dict[int, float]:
+        calls.append(1)
+        return original(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_select, "_bracketed", counting)
+    tensor = torch.randn(100_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    result = QuantileReducer(**kwargs).reduce(_prepare(tensor))  # type: ignore[arg-type]
+    assert calls
+    if kwargs.get("exact"):
+        np.testing.assert_array_equal(result.numpy(), np.quantile(tensor.numpy(), LEVELS))
+
+
 def _pooled(tensor: torch.Tensor, sizes: list[int], seed: int) -> torch.Tensor:
     """The sharded quartiles of ``tensor`` split into shards of ``sizes``, on one process.
 
