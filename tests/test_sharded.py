@@ -22,6 +22,7 @@ from torch import nn
 
 from torchinstruments_core import AlwaysSampler, Signal, StepTensor, inject_observer
 from torchinstruments_core.reducers import DEFAULT_METRICS, default_reducers, precision_reducers
+from torchinstruments_core.reducers.functional import DEFAULT_SAMPLE_SIZE
 from torchinstruments_core.testing import RecordingSink
 
 if TYPE_CHECKING:
@@ -123,9 +124,9 @@ def _assert_whole(rows: dict[str, dict[str, Any]]) -> None:
         for metric in ROUNDED:
             assert got[metric][0] == pytest.approx(want[metric][0], rel=1e-6), (name, metric)
         for metric, level in zip(QUARTILES, (0.25, 0.5, 0.75), strict=True):
-            if tensor.numel() > 32768:  # subsampled: the stated bound, eps + W / m
+            if tensor.numel() > DEFAULT_SAMPLE_SIZE:  # subsampled: the stated bound, eps + W / m
                 values = tensor.double().numpy().reshape(-1)
-                assert _rank_error(values, got[metric][0], level) <= 0.015 + 2 / 32768
+                assert _rank_error(values, got[metric][0], level) <= 0.030 + 2 / 8192
             else:  # every entry sent: the exact quartiles of the whole tensor
                 assert got[metric][0] == pytest.approx(want[metric][0], rel=1e-6), (name, metric)
         assert got["kurtosis"] == [None, "sharded_tensor"]
@@ -212,7 +213,7 @@ def test_fully_shard_parameters_are_measured_whole_through_the_optimizer(
 
     The first recorded step's parameters (before its update) are the initial ones: mean, max,
     l2_norm and the median equal those of ``full_tensor()`` (exact quartiles: every parameter
-    has fewer than 32,768 entries). Each sampled optimizer step runs one collective for all its
+    has fewer than 8,192 entries). Each sampled optimizer step runs one collective for all its
     sharded tensors. Under ``rank0`` rank 1 joins each step's collective and writes nothing;
     under ``all`` both ranks write the same values. No hang either way.
     """

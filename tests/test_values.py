@@ -91,8 +91,11 @@ def _reference(x: np.ndarray) -> dict[str, float]:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_every_metric_agrees_with_a_float64_reference(dtype: torch.dtype) -> None:
-    """All twelve metrics of an output, through the engine, match numpy in float64."""
-    x = (torch.randn(257, 33, dtype=torch.float64) * 3 + 1).to(dtype)
+    """All twelve metrics of an output, through the engine, match numpy in float64.
+
+    The quartiles exactly too: 8,151 entries, within the default subsample's 8,192.
+    """
+    x = (torch.randn(247, 33, dtype=torch.float64) * 3 + 1).to(dtype)
     x[0, :5] = 0
     x[1, 0], x[1, 1], x[1, 2] = float("nan"), float("inf"), float("-inf")
     rows = _by_metric(_observe(x))

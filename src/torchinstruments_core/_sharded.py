@@ -19,10 +19,14 @@ step record their rows describe the whole tensor:
    the reducer's ``sample_size``); a tensor of at most ``m`` entries sends every entry, so its
    quartiles are exact, as unsharded. Otherwise each pooled entry's indicator is an independent
    term of weight ``1 / K`` (``K = sum(k_i) >= m``), and the strata's weights ``k_i / K`` differ
-   from ``n_i / N`` by at most ``W / m``; by Hoeffding's inequality each quartile's rank error
+   from ``n_i / N`` by ``(f_i - F * n_i / N) / K`` (``f_i = k_i - m * n_i / N`` in ``[0, 1)``,
+   ``F = K - m`` in ``[0, W)``): the pooled CDF is off the tensor's by at most the sum of the
+   positive differences, ``F / K < W / m``. By Hoeffding's inequality each quartile's rank error
    exceeds ``eps + W / m`` with probability at most ``2 * exp(-2 * m * eps**2)``, so all three
    stay within it with probability at least ``1 - 6 * exp(-2 * m * eps**2)``: for the default
-   ``m = 32768`` and ``eps = 0.015``, ``1 - 2.4e-6``.
+   ``m = 8192`` and ``eps = 0.030`` (the unsharded bound), ``1 - 6 * exp(-14.7456) = 1 - 2.4e-6``,
+   so within ``0.030 + W / 8192`` (0.0302 for two ranks, 0.0310 for eight). A subsampled
+   tensor adds ``ceil(8192 * largest shard / N)`` slots per rank to the collective.
 
 Every rank of the group must call ``combine`` for the same steps, whether it writes rows or not
 (``rank_policy="rank0"``): the lifecycle opens a non-writing step record on the other ranks for

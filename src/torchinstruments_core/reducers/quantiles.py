@@ -21,16 +21,16 @@ if TYPE_CHECKING:
 class QuantileReducer:
     """The 25th, 50th and 75th percentiles of the finite entries (numpy's linear interpolation).
 
-    Tensors larger than ``sample_size`` are subsampled with the tensor's private generator, to
-    an eighth of their entries, at least 8,192 and at most ``sample_size``; see
-    ``functional.quantiles`` for the error bound (a rank error above 0.030 with probability below
-    7.9e-7 for the smallest subsample, above 0.015 for the largest by default; typically 0.0048
-    and 0.0024). Using every entry instead (``exact=True``) costs time and memory in proportion
-    to the tensor.
+    Tensors larger than ``sample_size`` (8,192 by default) are subsampled to ``sample_size``
+    entries with the tensor's private generator, whatever their size; smaller ones are used
+    whole (exact quartiles). See ``functional.quantiles`` for the error bound: for the default,
+    a rank error above 0.030 with probability below 7.9e-7, typically 0.0048. A larger
+    ``sample_size`` narrows it as ``1 / sqrt(sample_size)`` and costs selection time; using every
+    entry instead (``exact=True``) costs time and memory in proportion to the tensor.
 
     Args:
-        sample_size: Largest subsample per tensor (tensors up to this size are used whole); a
-            positive int.
+        sample_size: Subsample per tensor (tensors up to this size are used whole); a positive
+            int.
         exact: Sort every entry however large the tensor.
 
     Raises:

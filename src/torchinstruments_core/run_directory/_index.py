@@ -71,9 +71,9 @@ completed by `python -m torchinstruments_core.run_directory repair` after a cras
 _METRICS = """\
 Statistics describe the finite entries of a tensor; the two fractions describe the whole tensor.
 `mean`, `std` (population), `min`, `max`, `rms`, `max_abs`, `l2_norm` (`sqrt(sum(x**2))`, what
-`clip_grad_norm_` reports for one tensor); `p25`, `p50`, `p75` (from a uniform random subsample
-of an eighth of the entries, 8,192 to 32,768, for tensors of more than 32,768: rank error below
-0.030 with probability above 0.999999, below 0.015 from 262,144 entries on);
+`clip_grad_norm_` reports for one tensor); `p25`, `p50`, `p75` (exact up to 8,192 entries;
+from a uniform random subsample of 8,192 entries for larger tensors: rank error below 0.030 with
+probability above 0.999999, typically 0.005);
 `zero_fraction`, `nonfinite_fraction` (NaN and ±Inf).
 `max_abs / rms` large means outlier-dominated ranges (int8/fp8 quantization risk).
 Opt-in (`precision_reducers()`): `kurtosis` (excess, 0 for a normal distribution) and, for
