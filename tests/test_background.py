@@ -7,6 +7,8 @@ threads leave a core free, which this 2-core machine's default of 2 threads does
 from __future__ import annotations
 
 import functools
+import gc
+import inspect
 import os
 import threading
 import warnings
@@ -20,6 +22,7 @@ from torch import nn
 from torchinstruments_core import (
     AlwaysSampler,
     ConfigurationError,
+    ObservationError,
     ObservationWarning,
     inject_observer,
 )
@@ -27,6 +30,8 @@ from torchinstruments_core import _background as background
 from torchinstruments_core._background import ReductionWorker
 from torchinstruments_core._failures import FailureReport
 from torchinstruments_core._measure import Measurer
+from torchinstruments_core._records import Signal
+from torchinstruments_core._sample import Sample, Site
 from torchinstruments_core.reducers import HistogramReducer, default_reducers
 from torchinstruments_core.testing import RecordingSink
 
@@ -84,12 +89,9 @@ def test_copies_waiting_for_the_worker_never_pass_the_largest_tensor(monkeypatch
     submit = ReductionWorker.submit
 
     def watched(self: ReductionWorker, nbytes: int, make: Any) -> int | None:
-        if not nbytes:  # the sample's end: its subsample positions are dropped in order
-            return submit(self, nbytes, make)
-
         def make_and_watch() -> Any:
             job = make()
-            copies.append(weakref.ref(job.__closure__[0].cell_contents))  # the copy it holds
+            copies.append(weakref.ref(inspect.getclosurevars(job).nonlocals["copy"]))
             held.append(self._held)
             return job
 
@@ -112,13 +114,6 @@ def test_copies_waiting_for_the_worker_never_pass_the_largest_tensor(monkeypatch
 
 def test_a_failing_reducer_warns_on_the_training_thread(monkeypatch: Any) -> None:
     """A reducer raising on the worker gives its reason, and one warning in the caller's thread."""
-
-    class Failing:
-        metrics = ("boom",)
-
-        def reduce(self, prepared: Any) -> torch.Tensor:
-            raise RuntimeError("reducer broke")
-
     reported_in: list[threading.Thread] = []
     failed = FailureReport.failed
 
@@ -133,7 +128,7 @@ def test_a_failing_reducer_warns_on_the_training_thread(monkeypatch: Any) -> Non
         model,
         sampler=AlwaysSampler(),
         sink=sink,
-        reducers=[*default_reducers(), Failing()],
+        reducers=[*default_reducers(), _Failing()],
         background_reductions=True,
     ) as observer:
         observer.begin_step(0, sample=True)
@@ -150,12 +145,142 @@ def test_a_failing_reducer_warns_on_the_training_thread(monkeypatch: Any) -> Non
     assert sink.value("0", "output", "mean") is not None
 
 
+class _Failing:
+    """A reducer that always raises."""
+
+    metrics = ("boom",)
+
+    def reduce(self, prepared: Any) -> torch.Tensor:
+        raise RuntimeError("reducer broke")
+
+
 def test_error_policy_raise_reduces_inline() -> None:
     """Under ``error_policy="raise"`` the worker is off, so a failure raises in the hook."""
+    model = nn.Sequential(nn.Linear(4, 4))
     with inject_observer(
-        nn.Linear(2, 2), sink=RecordingSink(), error_policy="raise", background_reductions=True
+        model,
+        sampler=AlwaysSampler(),
+        sink=RecordingSink(),
+        reducers=[*default_reducers(), _Failing()],
+        error_policy="raise",
+        background_reductions=True,
     ) as observer:
         assert observer._config.measurer.background is False
+        with pytest.raises(ObservationError, match="reducer broke"):
+            model(torch.randn(2, 4))  # the output's hook
+
+
+def test_a_failing_reducer_frees_its_copy_without_garbage_collection() -> None:
+    """A reducer's error keeps no frame, so no copy outlives its job (gc off here)."""
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))
+    copies: list[weakref.ref[torch.Tensor]] = []
+    job = Measurer._job
+
+    def watched(self: Measurer, *args: Any, **kwargs: Any) -> Any:
+        made = job(self, *args, **kwargs)
+        copies.append(weakref.ref(inspect.getclosurevars(made).nonlocals["copy"]))
+        return made
+
+    gc.disable()
+    try:
+        with (
+            pytest.MonkeyPatch.context() as patch,
+            warnings.catch_warnings(),
+            inject_observer(
+                model,
+                sampler=AlwaysSampler(),
+                sink=RecordingSink(),
+                reducers=[*default_reducers(), _Failing()],
+                background_reductions=True,
+            ) as observer,
+        ):
+            warnings.simplefilter("ignore", ObservationWarning)
+            patch.setattr(Measurer, "_job", watched)
+            observer.begin_step(0, sample=True)
+            model(torch.randn(64, 256)).sum().backward()
+            observer.end_step()
+            assert len(copies) == 8
+            assert [copy() for copy in copies] == [None] * 8
+    finally:
+        gc.enable()
+
+
+def test_inline_reduction_waits_for_the_worker_so_values_stay_the_same() -> None:
+    """Switching to inline with jobs queued: the draws stay in order, the values the same."""
+    # sizes all different, so each draws its own positions; large first ones keep the worker
+    # busy when the switch comes
+    sizes = [2_000_000, 2_000_001, 2_000_002, 20_000, 20_001, 20_002]
+    tensors = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in sizes]
+
+    def quartiles(switch_at: int | None) -> list[list[float]]:
+        measurer = Measurer(
+            default_reducers(), HistogramReducer(), background=switch_at is not None
+        )
+        found = []
+        for index, tensor in enumerate(tensors):
+            if index == switch_at:
+                measurer.background = False  # as when torch.set_num_threads changes mid-run
+            measurement = measurer.measure(tensor, with_histogram=False)
+            found.append(measurement)
+        for measurement in found:
+            measurement.settle()
+        measurer.close()
+        return [
+            [float(v) for r in m.results if r.values is not None for v in r.values] for m in found
+        ]
+
+    assert quartiles(3) == quartiles(None)
+
+
+def test_a_warning_made_an_error_still_delivers_the_sample() -> None:
+    """A deferred report that raises (warnings as errors) comes after the sample is queued."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    sink = RecordingSink()
+    with inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        sink=sink,
+        reducers=[*default_reducers(), _Failing()],
+        background_reductions=True,
+    ) as observer:
+        loss = model(torch.randn(2, 4)).sum()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ObservationWarning)
+            with pytest.raises(ObservationWarning, match="reducer broke"):
+                loss.backward()
+        observer.flush()
+    assert len(sink.samples) == 1
+    assert sink.value("0", "output", "mean") is not None
+
+
+def test_a_reducer_failing_on_a_dropped_measurement_is_still_reported() -> None:
+    """A late gradient for a closed sample is dropped, and its reducer's failure still told."""
+    measurer = Measurer([*default_reducers(), _Failing()], HistogramReducer(), background=True)
+    sample = Sample(0, 0, 0.0, None)
+    sample.closed = True
+    measurement = measurer.measure(torch.randn(64), with_histogram=False)
+    told: list[str] = []
+    measurement.then(lambda m: told.extend(str(e) for e in m.errors))
+    sample.add(Site("0", 0, Signal.OUTPUT_GRADIENT, "output"), measurement)
+    assert told == ["reducer broke"]
+    measurer.close()
+
+
+def test_the_source_dtype_reaches_reducers_on_the_worker() -> None:
+    """A bfloat16 tensor copied to float32 for the worker still says it was bfloat16."""
+    seen: list[torch.dtype] = []
+
+    class Dtype:
+        metrics = ("dtype_seen",)
+
+        def reduce(self, prepared: Any) -> torch.Tensor:
+            seen.append(prepared.source_dtype)
+            return torch.zeros(1)
+
+    measurer = Measurer([Dtype()], HistogramReducer(), background=True)
+    measurer.measure(torch.randn(8, dtype=torch.bfloat16), with_histogram=False).settle()
+    measurer.close()
+    assert seen == [torch.bfloat16]
 
 
 def test_background_reductions_is_checked() -> None:
@@ -287,3 +412,36 @@ def test_a_copy_that_fails_gives_a_reason_and_never_raises(monkeypatch: Any) -> 
     assert measurement.worker is None
     measurer.wait()  # nothing held back
     measurer.close()
+
+
+def test_a_job_submitted_while_the_worker_closes_runs_in_the_caller() -> None:
+    """Removal from another thread between reservation and queueing: nothing waits forever."""
+    worker = ReductionWorker()
+    worker.submit(8, lambda: lambda: None)  # the thread runs
+    ran: list[str] = []
+
+    def make() -> Any:
+        worker.close()  # as remove() in another thread, while this hook copies
+        return lambda: ran.append(threading.current_thread().name)
+
+    assert worker.submit(8, make) is None
+    assert ran == [threading.main_thread().name]
+    worker.wait()
+    assert worker._held == 0
+
+
+def test_closing_in_a_forked_child_never_takes_the_lock() -> None:
+    """In a child made by fork the parent's worker may have held the lock: close skips it."""
+    worker = ReductionWorker()
+    worker._pid = -1  # as seen from a child made by fork
+    with worker._condition:  # held, as the parent's worker may have held it at the fork
+        done = threading.Event()
+
+        def close() -> None:
+            worker.close()
+            done.set()
+
+        closer = threading.Thread(target=close)
+        closer.start()
+        assert done.wait(5)
+        closer.join()

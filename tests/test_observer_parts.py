@@ -113,6 +113,9 @@ class _Sample:
     transfer: _Transfer = field(default_factory=_Transfer)
     duration_s: float = 0.0
 
+    def settle(self) -> Exception | None:
+        return None  # nothing on a reduction worker
+
     def start_transfer(self) -> _Transfer:
         return self.transfer
 

@@ -88,18 +88,17 @@ class ReductionWorker:
             self._release(nbytes)
             raise
         with self._condition:
-            self._jobs.append((job, nbytes))
-            self._submitted += 1
-            self._start()
-            self._condition.notify_all()
-            return self._submitted
-
-    def after_jobs(self, action: Callable[[], None]) -> None:
-        """Run ``action`` after every job submitted so far: now if none is left, else queued."""
-        if self.done(self._submitted):
-            action()
-        else:
-            self.submit(0, lambda: action)
+            if not self._closed and self._running():
+                self._jobs.append((job, nbytes))
+                self._submitted += 1
+                self._condition.notify_all()
+                return self._submitted
+        # closed meanwhile (removal from another thread), or no thread could start: run it here
+        try:
+            job()
+        finally:
+            self._release(nbytes)
+        return None
 
     def done(self, ticket: int) -> bool:
         """Whether the job with ``ticket`` (and every job before it) has run; never blocks."""
@@ -120,6 +119,9 @@ class ReductionWorker:
 
     def close(self) -> None:
         """Run what is queued, then stop the thread; later jobs run in the caller."""
+        if os.getpid() != self._pid:  # a child made by fork: no thread, and the lock may be held
+            self._closed = True
+            return
         with self._condition:
             self._closed = True
             self._condition.notify_all()
@@ -127,12 +129,18 @@ class ReductionWorker:
         if thread is not None and os.getpid() == self._pid:
             thread.join()
 
-    def _start(self) -> None:
+    def _running(self) -> bool:
+        """Start the thread if there is none yet; whether it runs (it may fail to start)."""
         if self._thread is None:
-            self._thread = threading.Thread(
+            thread = threading.Thread(
                 target=self._run, name="torchinstruments-reductions", daemon=True
             )
-            self._thread.start()
+            try:
+                thread.start()
+            except RuntimeError:  # "can't start new thread": the caller reduces instead
+                return False
+            self._thread = thread
+        return self._thread.is_alive()
 
     def _run(self) -> None:
         while True:

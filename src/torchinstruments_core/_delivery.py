@@ -49,10 +49,13 @@ class DeliveryQueue:
     def push(self, sample: Sample) -> None:
         """Start moving ``sample``'s values to the host and queue it for delivery."""
         started = time.perf_counter()
+        error = sample.settle()  # waits for the CPU reduction worker's jobs of this sample
         transfer = sample.start_transfer()
         sample.duration_s += time.perf_counter() - started
         with self._lock:
             self._in_flight.append((sample, transfer))
+        if error is not None:  # raised only now: the sample is queued, its values delivered
+            raise error
 
     def drain(self, *, wait: bool) -> None:
         """Deliver the samples whose values have landed; with ``wait``, every queued sample."""

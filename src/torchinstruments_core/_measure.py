@@ -72,16 +72,25 @@ class Measurement:
         else:
             self.finishers.append(finish)
 
-    def settle(self) -> None:
-        """Wait for the worker to fill this measurement in, then run what ``then`` deferred."""
+    def settle(self) -> Exception | None:
+        """Wait for the worker to fill this measurement in, then run what ``then`` deferred.
+
+        Every deferred call runs even if one raises (a warning turned into an error); the first
+        error is returned, for the caller to raise once the sample is safe.
+        """
         if self.worker is None:
-            return
+            return None
         if self.ticket is not None:
             self.worker.wait(self.ticket)
         self.worker = None
         finishers, self.finishers = self.finishers, []
+        first: Exception | None = None
         for finish in finishers:
-            finish(self)
+            try:
+                finish(self)
+            except Exception as error:
+                first = first or error
+        return first
 
 
 def reducer_error_reason(error: BaseException) -> str:
@@ -129,9 +138,11 @@ class Measurer:
         self._worker = ReductionWorker()
 
     def new_sample(self) -> None:
-        """Forget the subsample positions of the previous sample; the next one draws its own."""
-        # after the worker's jobs of the previous sample, which still draw from them
-        self._worker.after_jobs(self._index_cache.clear)
+        """Forget the subsample positions of the previous sample; the next one draws its own.
+
+        A new mapping, not a cleared one: the worker's jobs of the previous sample keep theirs.
+        """
+        self._index_cache = {}
 
     def wait(self) -> None:
         """Block until the reduction worker has reduced every tensor handed to it."""
@@ -168,7 +179,9 @@ class Measurer:
             return Measurement(reason=plain, metrics=self.metrics)
         measurement = Measurement(None, self.metrics)
         if not self._in_background(plain, scale):
-            self._fill(plain, measurement, with_histogram)
+            if plain.device.type == "cpu":
+                self._worker.wait()  # its draws come first: the same values as all inline
+            self._fill(plain, measurement, with_histogram, self._index_cache, plain.dtype)
             return measurement
         nbytes = plain.numel() * working_dtype(plain.dtype).itemsize
         owned = scale is not None  # the division made a tensor of its own
@@ -212,13 +225,28 @@ class Measurer:
             copy = plain.detach().reshape(-1).to(working_dtype(plain.dtype))
             if copy.data_ptr() == plain.data_ptr() and not owned:  # a view: copy it
                 copy = copy.clone()
-        return lambda: self._fill(copy, measurement, with_histogram)
+        cache, dtype = self._index_cache, plain.dtype  # this sample's, whenever the job runs
 
-    def _fill(self, plain: torch.Tensor, measurement: Measurement, with_histogram: bool) -> None:
+        def job() -> None:
+            self._fill(copy, measurement, with_histogram, cache, dtype)
+            for error in measurement.errors:  # its frames would keep the copy alive
+                error.with_traceback(None)
+
+        return job
+
+    def _fill(
+        self,
+        plain: torch.Tensor,
+        measurement: Measurement,
+        with_histogram: bool,
+        cache: dict[tuple[torch.device, int, int], torch.Tensor],
+        source_dtype: torch.dtype,
+    ) -> None:
         """Run the reducers on ``plain`` into ``measurement``; errors become its reason."""
         try:
             with torch.no_grad(), _autocast_off(plain.device):
-                prepared = PreparedTensor(plain, self._generator(plain.device), self._index_cache)
+                prepared = PreparedTensor(plain, self._generator(plain.device), cache)
+                prepared.source_dtype = source_dtype  # a copy is in the working dtype already
                 measurement.n_finite = prepared.n_finite  # reads every entry: fails here if any
         except Exception as error:  # an odd tensor must never break the step
             measurement.reason = reducer_error_reason(error)

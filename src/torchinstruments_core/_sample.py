@@ -120,14 +120,19 @@ class Sample:
         """Keep a measurement until the sample closes; after that it is dropped.
 
         A closed sample's values are already crossing to the host: a gradient that arrives late
-        (another thread, a second backward) must not join them.
+        (another thread, a second backward) must not join them. A dropped measurement is still
+        settled, so that a reducer that failed on it is reported.
         """
         with self.lock:
-            if self.closed:
-                return
-            self._measured.append((site, measurement))
-            if site.signal.gradient_of is not None:
-                self._received.add(site)
+            dropped = self.closed
+            if not dropped:
+                self._measured.append((site, measurement))
+                if site.signal.gradient_of is not None:
+                    self._received.add(site)
+        if dropped:  # still told: a reducer that failed on it is reported, as inline
+            error = measurement.settle()
+            if error is not None:
+                raise error
 
     def expect_gradient(self, site: Site, metrics: tuple[str, ...]) -> None:
         """Note that a gradient hook waits on ``site``; if none arrives, its rows say so."""
@@ -143,14 +148,17 @@ class Sample:
         """Whether no backward reached this sample (never, for a step record)."""
         return self.kind is RecordKind.FORWARD and self.backward_task is None
 
-    def start_transfer(self) -> HostTransfer:
-        """Start moving every device value of this sample to the host.
+    def settle(self) -> Exception | None:
+        """Wait for the reduction worker to fill in every measurement (``Measurement.settle``).
 
-        On the CPU this first waits for the reduction worker to finish this sample's tensors
-        (``Measurement.settle``).
+        Returns the first error of what the measurements deferred (a reducer's failure
+        reported as an error), for the caller to raise once the sample is queued.
         """
-        for _, measurement in self._measured:
-            measurement.settle()
+        errors = [measurement.settle() for _, measurement in self._measured]
+        return next((error for error in errors if error is not None), None)
+
+    def start_transfer(self) -> HostTransfer:
+        """Start moving every device value of this sample to the host (once ``settle``d)."""
         return HostTransfer(list(self._device_tensors()), list(self._events()))
 
     def _events(self) -> Iterator[torch.cuda.Event]:
