@@ -24,6 +24,7 @@ from torchinstruments_core import (
     ConfigurationError,
     ObservationError,
     ObservationWarning,
+    Observer,
     inject_observer,
 )
 from torchinstruments_core import _background as background
@@ -124,13 +125,7 @@ def test_a_failing_reducer_warns_on_the_training_thread(monkeypatch: Any) -> Non
     monkeypatch.setattr(FailureReport, "failed", watched)
     model = nn.Sequential(nn.Linear(4, 4))
     sink = RecordingSink()
-    with inject_observer(
-        model,
-        sampler=AlwaysSampler(),
-        sink=sink,
-        reducers=[*default_reducers(), _Failing()],
-        background_reductions=True,
-    ) as observer:
+    with _failing_observer(model, sink) as observer:
         observer.begin_step(0, sample=True)
         loss = model(torch.randn(2, 4)).sum()
         with pytest.warns(ObservationWarning, match="reducer broke") as caught:
@@ -152,6 +147,17 @@ class _Failing:
 
     def reduce(self, prepared: Any) -> torch.Tensor:
         raise RuntimeError("reducer broke")
+
+
+def _failing_observer(model: nn.Module, sink: RecordingSink) -> Observer:
+    """Every sampled tensor of ``model`` through the worker, with a reducer that raises."""
+    return inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        sink=sink,
+        reducers=[*default_reducers(), _Failing()],
+        background_reductions=True,
+    )
 
 
 def test_error_policy_raise_reduces_inline() -> None:
@@ -236,13 +242,7 @@ def test_a_warning_made_an_error_still_delivers_the_sample() -> None:
     """A deferred report that raises (warnings as errors) comes after the sample is queued."""
     model = nn.Sequential(nn.Linear(4, 4))
     sink = RecordingSink()
-    with inject_observer(
-        model,
-        sampler=AlwaysSampler(),
-        sink=sink,
-        reducers=[*default_reducers(), _Failing()],
-        background_reductions=True,
-    ) as observer:
+    with _failing_observer(model, sink) as observer:
         loss = model(torch.randn(2, 4)).sum()
         with warnings.catch_warnings():
             warnings.simplefilter("error", ObservationWarning)
