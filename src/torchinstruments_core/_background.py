@@ -100,13 +100,14 @@ class ReductionWorker:
             self._release(nbytes)
         return None
 
-    def done(self, ticket: int) -> bool:
-        """Whether the job with ``ticket`` (and every job before it) has run; never blocks."""
-        return self._finished >= ticket or os.getpid() != self._pid
-
     def wait(self, ticket: int | None = None) -> None:
-        """Block until the job with ``ticket`` has run; without one, every job submitted."""
-        if os.getpid() != self._pid:
+        """Block until the job with ``ticket`` has run; without one, every job submitted.
+
+        Returns at once, without the lock, when nothing is left (the inline path asks at every
+        tensor).
+        """
+        goal = self._submitted if ticket is None else ticket
+        if self._finished >= goal or os.getpid() != self._pid:
             return
         with self._condition:
             goal = self._submitted if ticket is None else ticket
