@@ -21,6 +21,16 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: int
     optimizer.zero_grad()
 
 
+def _recording_clock(
+    model: nn.Module,
+) -> tuple[OptimizerClock, list[None], list[torch.optim.Optimizer]]:
+    """A clock on ``model`` that keeps its ticks and the optimizers handed to ``on_optimizer``."""
+    ticks: list[None] = []
+    handed: list[torch.optim.Optimizer] = []
+    clock = OptimizerClock(model, lambda: ticks.append(None), on_optimizer=handed.append)
+    return clock, ticks, handed
+
+
 def test_a_plain_loop_ticks_once_per_optimizer_step() -> None:
     """One tick per optimizer step, whatever the number of accumulated micro-batches."""
     model = nn.Linear(4, 1)
@@ -110,9 +120,7 @@ def test_followed_optimizers_tick_once_each_of_them_stepped() -> None:
     model = Pair()
     first = torch.optim.SGD(model.first.parameters(), lr=0.1)
     second = torch.optim.Adam(model.second.parameters(), lr=0.1)
-    ticks: list[None] = []
-    handed: list[torch.optim.Optimizer] = []
-    clock = OptimizerClock(model, lambda: ticks.append(None), on_optimizer=handed.append)
+    clock, ticks, handed = _recording_clock(model)
     clock.follow([first, _Wrapper(second)])
     assert handed == [first, second]
     _pair_step(model, [first, second])
@@ -149,9 +157,7 @@ def test_a_second_optimizer_found_is_not_followed_and_warns() -> None:
     model = Pair()
     first = torch.optim.SGD(model.first.parameters(), lr=0.1)
     second = torch.optim.SGD(model.second.parameters(), lr=0.1)
-    ticks: list[None] = []
-    handed: list[torch.optim.Optimizer] = []
-    clock = OptimizerClock(model, lambda: ticks.append(None), on_optimizer=handed.append)
+    clock, ticks, handed = _recording_clock(model)
     with pytest.warns(ObservationWarning, match=r"second optimizer \(SGD\).*optimizer=\[\.\.\.\]"):
         _pair_step(model, [first, second])
     _pair_step(model, [first, second])  # no second warning (filterwarnings=error)

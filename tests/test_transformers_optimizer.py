@@ -32,6 +32,24 @@ def _scalars(folder: pathlib.Path, tag: str) -> dict[int, float]:
     return {event.step: event.value for event in events.Scalars(tag)}
 
 
+def _arguments(
+    tmp_path: pathlib.Path, *, max_steps: int, accumulation: int, max_grad_norm: float
+) -> transformers.TrainingArguments:
+    """A short CPU run logging to TensorBoard at every step, without checkpoints or progress."""
+    return transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=max_steps,
+        report_to=["tensorboard"],
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        max_grad_norm=max_grad_norm,
+    )
+
+
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_trainer_optimizer_steps_land_at_the_global_step_of_the_loss(
     tmp_path: pathlib.Path, accumulation: int
@@ -46,18 +64,7 @@ def test_trainer_optimizer_steps_land_at_the_global_step_of_the_loss(
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     reference = StepReference(model, optimizer)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=5,
-        report_to=["tensorboard"],
-        use_cpu=True,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=accumulation,
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_steps=1,
-        max_grad_norm=1e6,
-    )
+    args = _arguments(tmp_path, max_steps=5, accumulation=accumulation, max_grad_norm=1e6)
     telemetry = TelemetryCallback(every_n_steps=2)
     trainer = transformers.Trainer(
         model=model,
@@ -100,17 +107,7 @@ def test_clipped_gradients_are_recorded_as_the_optimizer_uses_them(tmp_path: pat
     while ``telemetry/model/parameter_gradient/l2_norm`` is the bound the optimizer stepped with.
     """
     bound = 1e-3
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=2,
-        report_to=["tensorboard"],
-        use_cpu=True,
-        per_device_train_batch_size=2,
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_steps=1,
-        max_grad_norm=bound,
-    )
+    args = _arguments(tmp_path, max_steps=2, accumulation=1, max_grad_norm=bound)
     telemetry = TelemetryCallback(every_n_steps=1)
     trainer = transformers.Trainer(
         model=_model(), args=args, train_dataset=_data(), callbacks=[telemetry]
