@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_helpers import Regressor, loader, telemetry_dir, trainer
 from torchinstruments_core import ConfigurationError
+from torchinstruments_core._background import ReductionWorker
 from torchinstruments_lightning import TelemetryMonitor
 
 SAMPLED = [0, 3, 6, 9]
@@ -353,3 +354,38 @@ def test_bad_arguments_raise_in_the_constructor() -> None:
         TelemetryMonitor(every_n_steps=0)
     with pytest.raises(ConfigurationError, match="rank_policy='some'"):
         TelemetryMonitor(rank_policy="some")
+
+
+def test_the_reduction_worker_gives_lightning_the_same_values(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BoringModel under a real Trainer: history and logger values equal with the worker on/off."""
+    handed: list[int] = []
+    submit = ReductionWorker.submit
+
+    def counted(self: ReductionWorker, nbytes: int, make: Any) -> int | None:
+        handed.append(nbytes)
+        return submit(self, nbytes, make)
+
+    monkeypatch.setattr(ReductionWorker, "submit", counted)
+    found = {}
+    for background in (False, True):
+        root = tmp_path / str(background)
+        pl.seed_everything(0)
+        logger = TensorBoardLogger(root, name="tb")
+        monitor = TelemetryMonitor(every_n_steps=2, background_reductions=background)
+        trainer(root, max_steps=6, logger=logger, callbacks=[monitor], limit_val_batches=0).fit(
+            BoringModel()
+        )
+        assert bool(handed) == background  # every tensor through the worker, or none
+        history = _history(root).sort(["step", "layer", "signal", "tensor_path", "metric"])
+        scalars = _events(pathlib.Path(logger.log_dir))
+        tag = "telemetry/layer/output/rms"
+        found[background] = (
+            history.select(["step", "layer", "signal", "tensor_path", "metric", "value"]),
+            [(e.step, e.value) for e in scalars.Scalars(tag)],
+        )
+    assert found[True][0].height > 0
+    assert found[True][0].equals(found[False][0])
+    assert found[True][1] == found[False][1]
+    assert [step for step, _ in found[True][1]] == [0, 2, 4]
