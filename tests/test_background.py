@@ -11,6 +11,7 @@ import gc
 import inspect
 import os
 import threading
+import time
 import warnings
 import weakref
 from typing import Any
@@ -83,11 +84,18 @@ def test_the_worker_gives_the_values_of_inline_reduction_bit_for_bit() -> None:
     assert ratio > 0
 
 
-def test_copies_waiting_for_the_worker_never_pass_the_largest_tensor(monkeypatch: Any) -> None:
-    """The bytes handed over and not yet reduced stay within the largest copy, then reach 0."""
+def _held_at_each_copy(monkeypatch: Any, *, floor: int, slow_s: float = 0.0) -> list[int]:
+    """Bytes held once each copy is taken, over one sampled step of ``_model``.
+
+    The widest activation is 512 KiB. Asserts that every copy is freed and nothing is held at
+    the end.
+
+    The worker's budget has ``floor``; with ``slow_s`` each job first sleeps that long, so that
+    the hooks hand tensors over faster than the worker reduces them.
+    """
     held: list[int] = []
     copies: list[weakref.ref[torch.Tensor]] = []
-    submit = ReductionWorker.submit
+    submit, fill = ReductionWorker.submit, Measurer._fill
 
     def watched(self: ReductionWorker, nbytes: int, make: Any) -> int | None:
         def make_and_watch() -> Any:
@@ -98,9 +106,15 @@ def test_copies_waiting_for_the_worker_never_pass_the_largest_tensor(monkeypatch
 
         return submit(self, nbytes, make_and_watch)
 
+    def slow_fill(self: Measurer, *args: Any) -> None:
+        if self.on_worker_thread():
+            time.sleep(slow_s)
+        fill(self, *args)
+
     monkeypatch.setattr(ReductionWorker, "submit", watched)
+    monkeypatch.setattr(Measurer, "_fill", slow_fill)
+    monkeypatch.setattr(background, "BUDGET_FLOOR", floor)
     model = _model()
-    largest = 256 * 512 * 4  # the widest activation and its gradient, in float32 bytes
     with inject_observer(
         model, sampler=AlwaysSampler(), sink=RecordingSink(), background_reductions=True
     ) as observer:
@@ -109,8 +123,24 @@ def test_copies_waiting_for_the_worker_never_pass_the_largest_tensor(monkeypatch
         observer.end_step()
         assert observer._config.measurer._worker._held == 0  # end_step waited for the worker
     assert len(held) == 10  # 5 outputs and 5 output gradients, each through the worker
-    assert max(held) <= largest
     assert all(copy() is None for copy in copies)  # every copy freed once reduced
+    return held
+
+
+def test_copies_waiting_for_the_worker_never_pass_the_largest_tensor(monkeypatch: Any) -> None:
+    """Without a floor the bytes handed over and not yet reduced stay within the largest copy."""
+    held = _held_at_each_copy(monkeypatch, floor=0, slow_s=0.01)
+    assert max(held) <= 256 * 512 * 4  # the widest activation and its gradient, float32 bytes
+
+
+def test_copies_waiting_for_the_worker_may_fill_the_floor_and_never_pass_it(
+    monkeypatch: Any,
+) -> None:
+    """With a 1.5 MiB floor a slow worker lets up to three 512 KiB copies wait, never more."""
+    floor = 3 * 256 * 512 * 4
+    held = _held_at_each_copy(monkeypatch, floor=floor, slow_s=0.01)
+    assert max(held) <= floor
+    assert max(held) > 256 * 512 * 4  # more than one copy waited: the hooks did not
 
 
 def test_a_failing_reducer_warns_on_the_training_thread(monkeypatch: Any) -> None:

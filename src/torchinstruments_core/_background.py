@@ -6,11 +6,14 @@ Where torch leaves a core free (``torch.get_num_threads()`` below the cores this
 use), the hook instead copies the tensor (the model may change it in place once the hook
 returns) and hands the copy to this worker, which runs the reducers while the model computes.
 
-Memory stays within the bound a sampled step already has, one tensor in float32: the copies
-handed over and not yet reduced never hold more bytes than the largest copy so far (or than the
-one being handed over, when it is the largest), and a hook waits until the worker has reduced
-enough to make room. Jobs run in the order they came, so the reducers draw their subsamples in
-the same order as without the worker and give the same values.
+Memory stays bounded: the copies handed over and not yet reduced never hold more bytes than the
+largest copy so far (or than the one being handed over, when it is the largest) or
+``BUDGET_FLOOR`` (8 MiB), whichever is more, and a hook waits until the worker has reduced
+enough to make room. The floor lets a burst of small tensors (a backward that hands over two
+gradients in quick succession) queue instead of making the hook wait; a model whose largest
+activation passes 8 MiB keeps the bound of one tensor in float32. Jobs run in the order they
+came, so the reducers draw their subsamples in the same order as without the worker and give
+the same values.
 
 The worker never takes the observer's lock and a job never raises (``Measurer`` records errors
 in the measurement), so waiting for it always ends. It is started on the first job and stopped
@@ -45,18 +48,30 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+BUDGET_FLOOR = 8 * 2**20
+"""Bytes the copies waiting for the worker may always hold (8 MiB), however small the largest:
+on the small workloads of ``benchmarks/`` a budget of one tensor made hooks wait during the
+backward's bursts, and a sampled step cost 0.05-0.1x more than with this floor."""
+
+
 class ReductionWorker:
     """Runs jobs on one daemon thread, in order, holding at most a budget of bytes of input.
 
+    The budget is the largest reservation so far, or ``floor`` bytes if that is more.
     ``submit`` reserves the job's bytes (waiting for room), makes the job on the calling thread
     (that is where the copy is taken) and queues it; ``wait`` returns once every job has run.
+
+    Args:
+        floor: The least budget, in bytes (``None``: ``BUDGET_FLOOR``; ``0`` keeps the budget
+            at the largest copy).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, floor: int | None = None) -> None:
         self._condition = threading.Condition()
         self._jobs: collections.deque[tuple[Callable[[], None], int]] = collections.deque()
         self._held = 0  # bytes reserved by jobs not yet finished
-        self._largest = 0  # the budget: the largest reservation so far
+        # the budget: the largest reservation so far, or the floor if that is more
+        self._budget = BUDGET_FLOOR if floor is None else floor
         self._submitted = 0  # jobs submitted (a job's ticket is the count after it)
         self._finished = 0  # jobs run to their end, in order
         self._thread: threading.Thread | None = None
@@ -78,8 +93,8 @@ class ReductionWorker:
             make()()
             return None
         with self._condition:
-            self._largest = max(self._largest, nbytes)
-            while self._held and self._held + nbytes > self._largest:
+            self._budget = max(self._budget, nbytes)
+            while self._held and self._held + nbytes > self._budget:
                 self._condition.wait()
             self._held += nbytes
         try:
