@@ -99,10 +99,10 @@ def _held_at_each_copy(monkeypatch: Any, *, floor: int, slow_s: float = 0.0) -> 
 
     def watched(self: ReductionWorker, nbytes: int, make: Any) -> int | None:
         def make_and_watch() -> Any:
-            job = make()
-            copies.append(weakref.ref(inspect.getclosurevars(job).nonlocals["copy"]))
+            made = make()
+            copies.append(weakref.ref(inspect.getclosurevars(made[0]).nonlocals["copy"]))
             held.append(self._held)
-            return job
+            return made
 
         return submit(self, nbytes, make_and_watch)
 
@@ -141,6 +141,65 @@ def test_copies_waiting_for_the_worker_may_fill_the_floor_and_never_pass_it(
     held = _held_at_each_copy(monkeypatch, floor=floor, slow_s=0.01)
     assert max(held) <= floor
     assert max(held) > 256 * 512 * 4  # more than one copy waited: the hooks did not
+
+
+def _copy_buffers(monkeypatch: Any, *, floor: int, steps: int) -> list[set[int]]:
+    """The buffers (their ``id``) each sampled step of ``_model`` copied into (10 a step).
+
+    Every buffer is kept alive here, so a new one can never take an earlier one's place: the
+    same ``id`` in two steps is a reused spare. Asserts at each copy that the spares fit the
+    floor and, with the bytes held, the budget.
+    """
+    used: list[set[int]] = []
+    alive: list[torch.Tensor] = []
+    buffer = ReductionWorker.buffer
+
+    def watched(self: ReductionWorker, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        made = buffer(self, numel, dtype)
+        assert self._spare_bytes <= floor
+        assert self._held + self._spare_bytes <= self._budget
+        alive.append(made)
+        used[-1].add(id(made))
+        return made
+
+    monkeypatch.setattr(ReductionWorker, "buffer", watched)
+    monkeypatch.setattr(background, "BUDGET_FLOOR", floor)
+    model = _model()
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=RecordingSink(), background_reductions=True
+    ) as observer:
+        worker = observer._config.measurer._worker
+        for step in range(steps):
+            used.append(set())
+            observer.begin_step(step, sample=True)
+            model(torch.randn(256, 64)).sum().backward()
+            observer.end_step()
+            assert worker._spare_bytes <= floor  # what stays between samples
+    assert not worker._spares  # removal frees them
+    return used
+
+
+def test_later_copies_reuse_the_buffers_of_finished_jobs(monkeypatch: Any) -> None:
+    """With room for every copy of a step as spares, the next steps copy into the same buffers."""
+    used = _copy_buffers(monkeypatch, floor=8 * 2**20, steps=3)
+    assert used[1] == used[0]
+    assert used[2] == used[0]
+
+
+def test_spare_buffers_stay_within_the_floor_and_with_the_copies_within_the_budget(
+    monkeypatch: Any,
+) -> None:
+    """A 1 MiB floor keeps at most two 512 KiB spares; some copies still reuse one."""
+    used = _copy_buffers(monkeypatch, floor=2**20, steps=2)
+    assert used[1] & used[0]
+
+
+def test_no_spare_is_kept_past_the_floor_even_where_the_budget_has_room(
+    monkeypatch: Any,
+) -> None:
+    """A 256 KiB floor under a 512 KiB budget (the largest copy): no 512 KiB spare is kept."""
+    used = _copy_buffers(monkeypatch, floor=2**18, steps=2)
+    assert not used[1] & used[0]
 
 
 def test_a_failing_reducer_warns_on_the_training_thread(monkeypatch: Any) -> None:
@@ -206,15 +265,16 @@ def test_error_policy_raise_reduces_inline() -> None:
             model(torch.randn(2, 4))  # the output's hook
 
 
-def test_a_failing_reducer_frees_its_copy_without_garbage_collection() -> None:
+def test_a_failing_reducer_frees_its_copy_without_garbage_collection(monkeypatch: Any) -> None:
     """A reducer's error keeps no frame, so no copy outlives its job (gc off here)."""
+    monkeypatch.setattr(background, "BUDGET_FLOOR", 0)  # no spare buffers kept either
     model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))
     copies: list[weakref.ref[torch.Tensor]] = []
     job = Measurer._job
 
     def watched(self: Measurer, *args: Any, **kwargs: Any) -> Any:
         made = job(self, *args, **kwargs)
-        copies.append(weakref.ref(inspect.getclosurevars(made).nonlocals["copy"]))
+        copies.append(weakref.ref(inspect.getclosurevars(made[0]).nonlocals["copy"]))
         return made
 
     gc.disable()
@@ -349,7 +409,7 @@ def test_the_worker_runs_jobs_in_order_and_survives_a_failing_job() -> None:
                 raise RuntimeError("a stray error")
             ran.append(number)
 
-        return run
+        return run, None
 
     for number in range(8):
         worker.submit(16, functools.partial(job, number))
@@ -371,7 +431,7 @@ def test_a_job_that_cannot_be_made_gives_its_room_back() -> None:
     with pytest.raises(MemoryError):
         worker.submit(1 << 20, broken)
     worker.wait()  # returns: nothing is held
-    worker.submit(1 << 20, lambda: lambda: None)
+    worker.submit(1 << 20, lambda: (lambda: None, None))
     worker.wait()
     worker.close()
 
@@ -405,7 +465,7 @@ def test_a_graph_freed_on_the_worker_closes_its_sample_at_the_next_safe_point() 
         lifecycle = observer._samples
         (sample,) = lifecycle._pending.values()
         worker = observer._config.measurer._worker
-        worker.submit(0, lambda: lambda: lifecycle._on_graph_released(sample))  # as gc would
+        worker.submit(0, lambda: (lambda: lifecycle._on_graph_released(sample), None))  # as gc
         worker.wait()
         assert sample.sample_id in lifecycle._pending  # not closed on the worker
         observer.end_step()  # a safe point: closed and delivered here
@@ -447,12 +507,12 @@ def test_a_copy_that_fails_gives_a_reason_and_never_raises(monkeypatch: Any) -> 
 def test_a_job_submitted_while_the_worker_closes_runs_in_the_caller() -> None:
     """Removal from another thread between reservation and queueing: nothing waits forever."""
     worker = ReductionWorker()
-    worker.submit(8, lambda: lambda: None)  # the thread runs
+    worker.submit(8, lambda: (lambda: None, None))  # the thread runs
     ran: list[str] = []
 
     def make() -> Any:
         worker.close()  # as remove() in another thread, while this hook copies
-        return lambda: ran.append(threading.current_thread().name)
+        return lambda: ran.append(threading.current_thread().name), None
 
     assert worker.submit(8, make) is None
     assert ran == [threading.main_thread().name]

@@ -214,25 +214,29 @@ class Measurer:
 
     def _job(
         self, plain: torch.Tensor, measurement: Measurement, with_histogram: bool, *, owned: bool
-    ) -> Callable[[], None]:
-        """Copy ``plain`` here, in the hook, and return the job that reduces the copy.
+    ) -> tuple[Callable[[], None], torch.Tensor | None]:
+        """Copy ``plain`` here, in the hook; return the job that reduces the copy, and its buffer.
 
-        The copy is flat and in the working dtype, and never shares memory with ``plain`` unless
-        ``owned`` (nobody else holds ``plain``): the model may change its own tensors in place
-        as soon as the hook returns.
+        The copy is flat and in the working dtype, in a buffer of the worker's (``buffer``),
+        unless ``owned`` (nobody else holds ``plain``) and already flat in that dtype: the model
+        may change its own tensors in place as soon as the hook returns.
         """
+        dtype = working_dtype(plain.dtype)
+        buffer = None
         with torch.no_grad():
-            copy = plain.detach().reshape(-1).to(working_dtype(plain.dtype))
-            if copy.data_ptr() == plain.data_ptr() and not owned:  # a view: copy it
-                copy = copy.clone()
-        cache, dtype = self._index_cache, plain.dtype  # this sample's, whenever the job runs
+            if owned and plain.dtype == dtype and plain.is_contiguous():
+                copy = plain.detach().reshape(-1)
+            else:
+                copy = buffer = self._worker.buffer(plain.numel(), dtype)
+                copy.view(plain.shape).copy_(plain.detach())
+        cache, source_dtype = self._index_cache, plain.dtype  # this sample's, whenever it runs
 
         def job() -> None:
-            self._fill(copy, measurement, with_histogram, cache, dtype)
+            self._fill(copy, measurement, with_histogram, cache, source_dtype)
             for error in measurement.errors:  # its frames would keep the copy alive
                 error.with_traceback(None)
 
-        return job
+        return job, buffer
 
     def _fill(
         self,
