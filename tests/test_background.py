@@ -34,7 +34,7 @@ from torchinstruments_core._failures import FailureReport
 from torchinstruments_core._measure import Measurer
 from torchinstruments_core._records import Signal
 from torchinstruments_core._sample import Sample, Site
-from torchinstruments_core.reducers import HistogramReducer, default_reducers
+from torchinstruments_core.reducers import HistogramReducer, PreparedTensor, default_reducers
 from torchinstruments_core.testing import RecordingSink
 
 
@@ -147,14 +147,16 @@ def _copy_buffers(monkeypatch: Any, *, floor: int, steps: int) -> list[set[int]]
     """The buffers (their ``id``) each sampled step of ``_model`` copied into (10 a step).
 
     Every buffer is kept alive here, so a new one can never take an earlier one's place: the
-    same ``id`` in two steps is a reused spare. Asserts at each copy that the spares fit the
-    floor and, with the bytes held, the budget.
+    same ``id`` in two steps is a reused spare. Each copy first waits for the worker, so that
+    how far it lags cannot change how many buffers a step takes. Asserts at each copy that the
+    spares fit the floor and, with the bytes held, the budget.
     """
     used: list[set[int]] = []
     alive: list[torch.Tensor] = []
     buffer = ReductionWorker.buffer
 
     def watched(self: ReductionWorker, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self.wait()  # the earlier jobs' buffers are spare: as many buffers in every step
         made = buffer(self, numel, dtype)
         assert self._spare_bytes <= floor
         assert self._held + self._spare_bytes <= self._budget
@@ -265,8 +267,31 @@ def test_error_policy_raise_reduces_inline() -> None:
             model(torch.randn(2, 4))  # the output's hook
 
 
-def test_a_failing_reducer_frees_its_copy_without_garbage_collection(monkeypatch: Any) -> None:
-    """A reducer's error keeps no frame, so no copy outlives its job (gc off here)."""
+class _FailingDuring:
+    """A reducer that raises while handling an error raised where its input was in scope."""
+
+    metrics = ("boom",)
+
+    def reduce(self, prepared: Any) -> torch.Tensor:
+        try:
+            self._inner(prepared.values)
+        except ValueError:
+            raise RuntimeError("reducer broke") from None  # __context__ keeps the inner one
+        return prepared.values[:1]
+
+    @staticmethod
+    def _inner(values: torch.Tensor) -> None:
+        raise ValueError(f"cannot reduce {values.numel()} entries")
+
+
+@pytest.mark.parametrize("failing", [_Failing, _FailingDuring])
+def test_a_failing_reducer_frees_its_copy_without_garbage_collection(
+    monkeypatch: Any, failing: type
+) -> None:
+    """A reducer's error keeps no frame, nor does any it was raised during.
+
+    So no copy outlives its job (gc off here).
+    """
     monkeypatch.setattr(background, "BUDGET_FLOOR", 0)  # no spare buffers kept either
     model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))
     copies: list[weakref.ref[torch.Tensor]] = []
@@ -286,7 +311,7 @@ def test_a_failing_reducer_frees_its_copy_without_garbage_collection(monkeypatch
                 model,
                 sampler=AlwaysSampler(),
                 sink=RecordingSink(),
-                reducers=[*default_reducers(), _Failing()],
+                reducers=[*default_reducers(), failing()],
                 background_reductions=True,
             ) as observer,
         ):
@@ -535,3 +560,199 @@ def test_closing_in_a_forked_child_never_takes_the_lock() -> None:
         closer.start()
         assert done.wait(5)
         closer.join()
+
+
+class _First:
+    """A reducer whose result is a view of its input, as the Reducer protocol allows."""
+
+    metrics = ("first",)
+
+    def reduce(self, prepared: Any) -> torch.Tensor:
+        return prepared.values[:1]
+
+
+def test_a_result_that_views_its_copy_keeps_its_value_when_the_buffer_is_reused() -> None:
+    """Three same-sized outputs share one reused buffer; each keeps its own first entry."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    sink = RecordingSink()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        outputs = [model[0](x)]
+        outputs += [model[1](outputs[0])]
+        outputs += [model[2](outputs[1])]
+    with inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        sink=sink,
+        reducers=[*default_reducers(), _First()],
+        background_reductions=True,
+    ) as observer:
+        observer.begin_step(0, sample=True)
+        model(x)
+        observer.end_step()
+    recorded = [sink.value(str(i), "output", "first") for i in range(3)]
+    assert recorded == [output[0, 0].item() for output in outputs]
+
+
+def test_a_copy_without_a_buffer_still_frees_spares_to_stay_within_the_budget() -> None:
+    """A scaled tensor is its own copy (no ``buffer`` call): held and spare bytes still fit."""
+    gate = threading.Event()
+
+    class Gate:
+        metrics = ("gate",)
+
+        def reduce(self, prepared: Any) -> torch.Tensor:
+            gate.wait()
+            return torch.zeros(1, dtype=prepared.values.dtype)
+
+    measurer = Measurer([*default_reducers(), Gate()], HistogramReducer(), background=True)
+    worker = measurer._worker
+    for _ in range(2):  # two 4 MiB copies, both held: two 4 MiB spares fill the 8 MiB floor
+        measurer.measure(torch.randn(2**20), with_histogram=False)
+    gate.set()
+    measurer.wait()
+    assert worker._spare_bytes == 8 * 2**20
+    gate.clear()  # the next job stays on the worker: its 8 MiB are held meanwhile
+    measurer.measure(torch.randn(2 * 2**20), with_histogram=False, scale=2.0)
+    try:
+        assert worker._held == 8 * 2**20
+        assert worker._held + worker._spare_bytes <= worker._budget
+    finally:
+        gate.set()
+        measurer.wait()
+        measurer.close()
+
+
+def test_a_forked_child_copies_without_the_lock_and_keeps_no_spares() -> None:
+    """In a child made by fork the parent's worker may have held the lock: hooks never wait."""
+    measurer = Measurer(default_reducers(), HistogramReducer(), background=True)
+    worker = measurer._worker
+    measurer.measure(torch.randn(64), with_histogram=False)
+    measurer.wait()
+    assert worker._spares  # inherited by a child
+    worker._pid = -1  # as seen from a child made by fork
+    locked, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def parent_worker() -> None:  # the parent's worker thread, inside the lock at the fork
+        with worker._condition:
+            locked.set()
+            release.wait()
+
+    holder = threading.Thread(target=parent_worker)
+    holder.start()
+    locked.wait()
+
+    def hook() -> None:
+        measurement = measurer.measure(torch.randn(64), with_histogram=True)
+        assert measurement.reason is None
+        measurer.close()
+        done.set()
+
+    child = threading.Thread(target=hook)
+    child.start()
+    try:
+        assert done.wait(5)
+        assert not worker._spares
+    finally:
+        release.set()
+        holder.join()
+        child.join()
+
+
+def test_preparing_a_tensor_never_waits_for_another_being_prepared(monkeypatch: Any) -> None:
+    """No lock is shared between ``PreparedTensor``s.
+
+    ``functools.cached_property`` on Python 3.11 holds one per property: a hook waited for the
+    worker's tensor, and a child made by fork forever for one the parent's worker computed.
+    """
+    from torchinstruments_core.reducers import base
+    from torchinstruments_core.reducers._host import summarize
+
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(values: torch.Tensor) -> Any:
+        if threading.current_thread().name == "worker":
+            inside.set()
+            release.wait()
+        return summarize(values)
+
+    monkeypatch.setattr(base, "summarize", slow)
+    generator = torch.Generator().manual_seed(0)
+    other = threading.Thread(
+        target=lambda: PreparedTensor(torch.randn(64), generator).n_finite, name="worker"
+    )
+    found: list[float] = []
+    hook = threading.Thread(
+        target=lambda: found.append(PreparedTensor(torch.ones(64), generator).n_finite.item())
+    )
+    other.start()
+    assert inside.wait(5)
+    hook.start()
+    hook.join(5)
+    waited = hook.is_alive()
+    release.set()
+    other.join()
+    hook.join()
+    assert not waited
+    assert found == [64]
+
+
+def test_a_lazily_negated_tensor_gives_the_same_values_on_the_worker_and_in_the_hook() -> None:
+    """``z.conj().imag`` has the negative bit set and no numpy view: it is resolved first."""
+    z = torch.complex(
+        torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(0)),
+        torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(1)),
+    )
+    negated = z.conj().imag
+    assert negated.is_neg()
+    measured = []
+    for on_worker in (False, True):
+        measurer = Measurer(default_reducers(), HistogramReducer(), background=on_worker)
+        measurement = measurer.measure(negated, with_histogram=True)
+        assert measurement.settle() is None
+        measurer.close()
+        assert measurement.reason is None
+        assert measurement.errors == []
+        assert measurement.histogram is not None
+        measured.append(
+            [r.values.tolist() for r in measurement.results if r.values is not None]
+            + [measurement.histogram.tolist()]
+        )
+    assert measured[0] == measured[1]
+    reference = Measurer(default_reducers(), HistogramReducer(), background=False)
+    plain = reference.measure(negated.clone(), with_histogram=True)
+    assert [r.values.tolist() for r in plain.results if r.values is not None] == measured[0][:-1]
+
+
+def test_a_spare_is_reused_only_for_a_copy_of_its_dtype() -> None:
+    """A float32 spare is not handed out for a float64 copy of the same number of entries."""
+    worker = ReductionWorker()
+    spare = worker.buffer(16, torch.float32)
+    worker.submit(64, lambda: ((lambda: None), spare))
+    worker.wait()
+    assert worker._spares[0] is spare
+    wide = worker.buffer(16, torch.float64)
+    assert wide.dtype == torch.float64
+    assert wide is not spare
+    assert worker.buffer(16, torch.float32) is spare
+    worker.close()
+
+
+def test_closing_with_jobs_queued_keeps_no_spare_buffer() -> None:
+    """Jobs that finish while the worker closes give their buffers back to nobody."""
+    worker = ReductionWorker()
+    gate = threading.Event()
+
+    def held_at_the_gate() -> None:
+        gate.wait()
+
+    worker.submit(64, lambda: (held_at_the_gate, worker.buffer(16, torch.float32)))
+    closer = threading.Thread(target=worker.close)
+    closer.start()
+    while not worker._closed:
+        time.sleep(0.001)
+    gate.set()
+    closer.join()
+    assert worker._finished == 1
+    assert not worker._spares

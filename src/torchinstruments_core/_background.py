@@ -99,6 +99,8 @@ class ReductionWorker:
         """
         import torch
 
+        if os.getpid() != self._pid:  # a child made by fork: the lock may be held, no spares
+            return torch.empty(numel, dtype=dtype)
         with self._condition:
             for index, spare in enumerate(self._spares):
                 if spare.numel() == numel and spare.dtype == dtype:
@@ -137,6 +139,8 @@ class ReductionWorker:
             self._release(nbytes)
             raise
         with self._condition:
+            while self._spares and self._held + self._spare_bytes > self._budget:
+                self._spare_bytes -= _nbytes(self._spares.popleft())  # a copy without buffer()
             if not self._closed and self._running():
                 self._jobs.append((job, nbytes, buffer))
                 self._submitted += 1
@@ -171,6 +175,7 @@ class ReductionWorker:
         """Run what is queued, then stop the thread; later jobs run in the caller."""
         if os.getpid() != self._pid:  # a child made by fork: no thread, and the lock may be held
             self._closed = True
+            self._spares, self._spare_bytes = collections.deque(), 0
             return
         with self._condition:
             self._closed = True

@@ -233,8 +233,10 @@ class Measurer:
 
         def job() -> None:
             self._fill(copy, measurement, with_histogram, cache, source_dtype)
+            if buffer is not None:  # the buffer is reused: no result may keep reading it
+                _unalias(measurement, buffer)
             for error in measurement.errors:  # its frames would keep the copy alive
-                error.with_traceback(None)
+                _forget_frames(error)
 
         return job, buffer
 
@@ -324,3 +326,35 @@ def _checked(values: object, size: int) -> torch.Tensor:
     if values.numel() != size:
         raise ValueError(f"a reducer returned {values.numel()} values for {size} metrics")
     return values.reshape(-1)
+
+
+def _forget_frames(error: BaseException) -> None:
+    """Drop the tracebacks of ``error`` and of the errors it was raised from or during."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.with_traceback(None)
+        pending += [current.__cause__, current.__context__]
+
+
+def _unalias(measurement: Measurement, buffer: torch.Tensor) -> None:
+    """Give the results that are views of ``buffer`` storage of their own.
+
+    A reducer may return a slice of its input, and the buffer is reused for later copies
+    before the results are read.
+    """
+    storage = buffer.untyped_storage().data_ptr()
+
+    def own(values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is not None and values.untyped_storage().data_ptr() == storage:
+            return values.clone()
+        return values
+
+    for result in measurement.results:
+        result.values = own(result.values)
+    measurement.histogram = own(measurement.histogram)
+    measurement.n_finite = own(measurement.n_finite)

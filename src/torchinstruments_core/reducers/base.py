@@ -10,15 +10,14 @@ the CPU one blocked pass of host statistics), computed at most once per tensor.
 from __future__ import annotations
 
 import math
-from functools import cached_property
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload, runtime_checkable
 
 import torch
 
 from torchinstruments_core.reducers._host import HostSummary, summarize
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 CHUNK_SIZE = 2**22
 """Elements per chunk: 16 MiB of float32 temporaries at most, and exact float32 chunk counts."""
@@ -27,6 +26,38 @@ CHUNK_SIZE = 2**22
 def working_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype statistics are computed in: float64 for float64 input, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_T = TypeVar("_T")
+
+
+class _cached(Generic[_T]):
+    """``functools.cached_property`` without its lock.
+
+    On Python 3.11 that decorator holds one lock per property for every instance while the value
+    is computed: a tensor reduced on the CPU's reduction worker made a hook preparing another
+    tensor wait, and a child made by ``fork`` while the worker computed one waited forever. A
+    ``PreparedTensor`` is used by one thread, so there is nothing to lock: the value is computed
+    on first access and stored in the instance, where later reads find it.
+    """
+
+    def __init__(self, compute: Callable[[Any], _T]) -> None:
+        self._compute = compute
+        self._name = compute.__name__
+        self.__doc__ = compute.__doc__
+
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> _cached[_T]: ...
+
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> _T: ...
+
+    def __get__(self, instance: object | None, owner: type | None = None) -> _T | _cached[_T]:
+        if instance is None:
+            return self
+        value = self._compute(instance)
+        instance.__dict__[self._name] = value
+        return value
 
 
 class PreparedTensor:
@@ -48,7 +79,9 @@ class PreparedTensor:
         index_cache: dict[tuple[torch.device, int, int], torch.Tensor] | None = None,
     ) -> None:
         self.source_dtype = tensor.dtype
-        self.values = tensor.detach().reshape(-1).to(working_dtype(tensor.dtype))
+        values = tensor.detach().reshape(-1).to(working_dtype(tensor.dtype))
+        # a lazily negated view (``z.conj().imag``) has no numpy view for the host passes
+        self.values = values.resolve_neg() if values.is_neg() else values
         self.numel = self.values.numel()
         self.generator = generator
         self._index_cache = index_cache
@@ -81,19 +114,19 @@ class PreparedTensor:
         """Device the tensor and every reduction live on."""
         return self.values.device
 
-    @cached_property
+    @_cached
     def finite(self) -> torch.Tensor:
         """Boolean mask of the finite entries."""
         return torch.isfinite(self.values)
 
-    @cached_property
+    @_cached
     def n_finite(self) -> torch.Tensor:
         """Number of finite entries, a 0-d int64 tensor (exact past 2**24 elements)."""
         if self.all_finite:
             return torch.full((), self.numel, dtype=torch.int64, device=self.device)
         return torch.count_nonzero(self.finite)
 
-    @cached_property
+    @_cached
     def host_summary(self) -> HostSummary | None:
         """Sum, sum of squares, min, max and zero count, when on the CPU and every sum is finite.
 
@@ -111,7 +144,7 @@ class PreparedTensor:
         except RuntimeError:  # ".numpy() is not supported for tensor subclasses": torch ops then
             return None
 
-    @cached_property
+    @_cached
     def all_finite(self) -> bool | None:
         """Whether every entry is finite, when that is free to know (CPU); ``None`` on accelerators.
 
@@ -126,7 +159,7 @@ class PreparedTensor:
             return True
         return bool(torch.count_nonzero(self.finite) == self.numel)
 
-    @cached_property
+    @_cached
     def finite_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Min and max of the finite entries, 0-d tensors; ``(inf, -inf)`` when there are none.
 
