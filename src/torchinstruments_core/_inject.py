@@ -140,9 +140,11 @@ def inject_observer(
             while the model computes, from a copy taken in the hook: ``None`` (default) where
             torch's intra-op threads leave a core free (``torch.get_num_threads()`` below the
             cores this process may use), ``True`` always, ``False`` never. The values are the
-            same either way. At most one tensor's worth (the largest so far, in float32) of
-            copies waits for the worker, and a sample is delivered once the worker has reduced
-            it. Under ``error_policy="raise"`` it is off, so a failure raises where it happens.
+            same either way. The copies waiting for the worker hold at most the largest one so
+            far (in float32) or 8 MiB, whichever is more; up to 8 MiB of reduced copies' buffers
+            is kept for reuse until the observer is removed. A sample is delivered once the
+            worker has reduced it. Under ``error_policy="raise"`` it is off, so a failure raises
+            where it happens.
 
     Returns:
         The attached ``Observer``; also a context manager that removes itself. Left attached,
