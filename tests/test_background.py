@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -36,6 +36,9 @@ from torchinstruments_core._records import Signal
 from torchinstruments_core._sample import Sample, Site
 from torchinstruments_core.reducers import HistogramReducer, PreparedTensor, default_reducers
 from torchinstruments_core.testing import RecordingSink
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def _model() -> nn.Module:
@@ -84,6 +87,24 @@ def test_the_worker_gives_the_values_of_inline_reduction_bit_for_bit() -> None:
     assert ratio > 0
 
 
+def _sampled_steps(steps: int, ended: Callable[[ReductionWorker], None]) -> ReductionWorker:
+    """Sample ``steps`` forward and backward passes of ``_model`` on the worker.
+
+    ``ended(worker)`` is called after each step; the observer is removed on return.
+    """
+    model = _model()
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=RecordingSink(), background_reductions=True
+    ) as observer:
+        worker = observer._config.measurer._worker
+        for step in range(steps):
+            observer.begin_step(step, sample=True)
+            model(torch.randn(256, 64)).sum().backward()
+            observer.end_step()
+            ended(worker)
+    return worker
+
+
 def _held_at_each_copy(monkeypatch: Any, *, floor: int, slow_s: float = 0.0) -> list[int]:
     """Bytes held once each copy is taken, over one sampled step of ``_model``.
 
@@ -111,17 +132,13 @@ def _held_at_each_copy(monkeypatch: Any, *, floor: int, slow_s: float = 0.0) -> 
             time.sleep(slow_s)
         fill(self, *args)
 
+    def ended(worker: ReductionWorker) -> None:
+        assert worker._held == 0  # end_step waited for the worker
+
     monkeypatch.setattr(ReductionWorker, "submit", watched)
     monkeypatch.setattr(Measurer, "_fill", slow_fill)
     monkeypatch.setattr(background, "BUDGET_FLOOR", floor)
-    model = _model()
-    with inject_observer(
-        model, sampler=AlwaysSampler(), sink=RecordingSink(), background_reductions=True
-    ) as observer:
-        observer.begin_step(0, sample=True)
-        model(torch.randn(256, 64)).sum().backward()
-        observer.end_step()
-        assert observer._config.measurer._worker._held == 0  # end_step waited for the worker
+    _sampled_steps(1, ended)
     assert len(held) == 10  # 5 outputs and 5 output gradients, each through the worker
     assert all(copy() is None for copy in copies)  # every copy freed once reduced
     return held
@@ -164,21 +181,16 @@ def _copy_buffers(monkeypatch: Any, *, floor: int, steps: int) -> list[set[int]]
         used[-1].add(id(made))
         return made
 
+    def ended(worker: ReductionWorker) -> None:
+        assert worker._spare_bytes <= floor  # what stays between samples
+        used.append(set())
+
     monkeypatch.setattr(ReductionWorker, "buffer", watched)
     monkeypatch.setattr(background, "BUDGET_FLOOR", floor)
-    model = _model()
-    with inject_observer(
-        model, sampler=AlwaysSampler(), sink=RecordingSink(), background_reductions=True
-    ) as observer:
-        worker = observer._config.measurer._worker
-        for step in range(steps):
-            used.append(set())
-            observer.begin_step(step, sample=True)
-            model(torch.randn(256, 64)).sum().backward()
-            observer.end_step()
-            assert worker._spare_bytes <= floor  # what stays between samples
+    used.append(set())
+    worker = _sampled_steps(steps, ended)
     assert not worker._spares  # removal frees them
-    return used
+    return used[:-1]
 
 
 def test_later_copies_reuse_the_buffers_of_finished_jobs(monkeypatch: Any) -> None:

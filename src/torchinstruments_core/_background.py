@@ -107,8 +107,7 @@ class ReductionWorker:
                     del self._spares[index]  # by position: ``remove`` would compare tensors
                     self._spare_bytes -= _nbytes(spare)
                     return spare
-            while self._spares and self._held + self._spare_bytes > self._budget:
-                self._spare_bytes -= _nbytes(self._spares.popleft())
+            self._trim_spares()
         return torch.empty(numel, dtype=dtype)
 
     def submit(self, nbytes: int, make: Callable[[], Job]) -> int | None:
@@ -139,8 +138,7 @@ class ReductionWorker:
             self._release(nbytes)
             raise
         with self._condition:
-            while self._spares and self._held + self._spare_bytes > self._budget:
-                self._spare_bytes -= _nbytes(self._spares.popleft())  # a copy without buffer()
+            self._trim_spares()  # a copy made without ``buffer`` did not trim them
             if not self._closed and self._running():
                 self._jobs.append((job, nbytes, buffer))
                 self._submitted += 1
@@ -215,6 +213,11 @@ class ReductionWorker:
                 del job  # the job holds its copy: freed (or kept spare) before room is given back
                 self._release(nbytes, finished=1, spare=buffer)
                 del buffer
+
+    def _trim_spares(self) -> None:
+        """Free the oldest spares until held and spare bytes fit the budget (lock held)."""
+        while self._spares and self._held + self._spare_bytes > self._budget:
+            self._spare_bytes -= _nbytes(self._spares.popleft())
 
     def _release(
         self, nbytes: int, *, finished: int = 0, spare: torch.Tensor | None = None
