@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -172,3 +173,35 @@ def test_lane_pattern_gives_neighbours_different_tables() -> None:
         per_key = np.unique(found[: keys.lanes]).size
         assert per_key == keys.lanes
         assert (found[keys.lanes :] == found[: -keys.lanes]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shift", [0, 300, -5000])
+def test_edges_searched_together_equal_edges_searched_one_by_one(
+    monkeypatch: pytest.MonkeyPatch, dtype: type[np.floating], shift: int
+) -> None:
+    """A sample's histograms share one edge search: each gets the edges it gets alone.
+
+    Grids of every scale, narrow ones (widened), the ends of the float range and a grid with no
+    finite entry go through one search; wrong guesses send them through the bracket search,
+    where each grid's targets are narrowed with that grid's own bin function.
+    """
+    if shift:
+        estimate = _edges._guess32
+        monkeypatch.setattr(_edges, "_guess32", lambda f, t, s=shift: estimate(f, t) + s)
+    rng = np.random.default_rng(12)
+    largest = float(np.finfo(dtype).max)
+    for bins in (1, 7, 64, 4099):
+        ranges = [(-largest, largest), (largest, largest)]
+        for trial in range(12):
+            ends = rng.standard_normal(2) * 10 ** rng.uniform(-30, 30)
+            ranges.append((float(ends.min()), float(ends.min() if trial % 4 else ends.max())))
+        grids = [(math.nan, math.nan, math.nan)]
+        for lo, hi in ranges:
+            grid = host_grid(lo, hi, bins, dtype)
+            grids.append((float(grid.lo), float(grid.hi), float(grid.scale)))
+        float64 = dtype is np.float64
+        together = _edges.histograms_edges(grids, bins, float64=float64)
+        alone = [_edges.histogram_edges(*grid, bins, float64=float64) for grid in grids]
+        assert np.array_equal(np.array(together), np.array(alone), equal_nan=True), bins
+        assert all(math.isnan(edge) for edge in together[0])

@@ -25,7 +25,7 @@ from torchinstruments_core._records import (
     UnavailableReason,
 )
 from torchinstruments_core._transfer import HostTransfer
-from torchinstruments_core.reducers.functional import split_histogram
+from torchinstruments_core.reducers._binning import split_histograms
 
 if TYPE_CHECKING:
     import weakref
@@ -182,13 +182,12 @@ class Sample:
         """Turn the landed values into the sample's record."""
         host = iter(transfer.wait())
         rows: list[StatRow] = []
-        histograms: list[HistogramRecord] = []
+        packed: list[tuple[Site, list[float], Measurement]] = []
         for site, measurement in self._measured:
             rows.extend(_rows(site, measurement, host))
             if measurement.histogram is not None:
-                histogram = _histogram(site, next(host), measurement)
-                if histogram is not None:
-                    histograms.append(histogram)
+                packed.append((site, next(host), measurement))
+        histograms = _histograms(packed)
         if not self.forward_only:
             rows.extend(self._missing_gradient_rows())
         if self.profiles:  # their CUDA events completed with the transfer
@@ -250,18 +249,22 @@ def _finite_row(site: Site, metric: str, value: float, n_finite: float) -> StatR
     return _row(site, metric, None, UnavailableReason.NON_FINITE_RESULT)
 
 
-def _histogram(site: Site, packed: list[float], measurement: Measurement) -> HistogramRecord | None:
-    edges, counts, nonfinite = split_histogram(
-        packed, measurement.histogram_bins, float64=measurement.histogram_float64
+def _histograms(packed: list[tuple[Site, list[float], Measurement]]) -> list[HistogramRecord]:
+    """The records of the sample's histograms, their edges searched together."""
+    parts = split_histograms(
+        [(values, m.histogram_bins, m.histogram_float64) for _, values, m in packed]
     )
-    if not all(math.isfinite(edge) for edge in edges):
-        return None  # no finite entries: nothing to bin (the rows say no_finite_values)
-    return HistogramRecord(
-        site.layer,
-        site.call_index,
-        site.signal,
-        site.tensor_path,
-        edges=tuple(edges),
-        counts=tuple(counts),
-        nonfinite_count=int(nonfinite),
-    )
+    return [
+        HistogramRecord(
+            site.layer,
+            site.call_index,
+            site.signal,
+            site.tensor_path,
+            edges=tuple(edges),
+            counts=tuple(counts),
+            nonfinite_count=int(nonfinite),
+        )
+        for (site, _, _), (edges, counts, nonfinite) in zip(packed, parts, strict=True)
+        # no finite entries: nothing to bin (the rows say no_finite_values)
+        if all(math.isfinite(edge) for edge in edges)
+    ]

