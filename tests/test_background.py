@@ -87,8 +87,10 @@ def test_the_worker_gives_the_values_of_inline_reduction_bit_for_bit() -> None:
     assert ratio > 0
 
 
-def _sampled_steps(steps: int, ended: Callable[[ReductionWorker], None]) -> ReductionWorker:
-    """Sample ``steps`` forward and backward passes of ``_model`` on the worker.
+def _sampled_steps(
+    steps: int, ended: Callable[[ReductionWorker], None], *, backward: bool = True
+) -> ReductionWorker:
+    """Sample ``steps`` forward (and ``backward``) passes of ``_model`` on the worker.
 
     ``ended(worker)`` is called after each step; the observer is removed on return.
     """
@@ -99,7 +101,10 @@ def _sampled_steps(steps: int, ended: Callable[[ReductionWorker], None]) -> Redu
         worker = observer._config.measurer._worker
         for step in range(steps):
             observer.begin_step(step, sample=True)
-            model(torch.randn(256, 64)).sum().backward()
+            with torch.set_grad_enabled(backward):
+                loss = model(torch.randn(256, 64)).sum()
+            if backward:
+                loss.backward()
             observer.end_step()
             ended(worker)
     return worker
@@ -161,7 +166,9 @@ def test_copies_waiting_for_the_worker_may_fill_the_floor_and_never_pass_it(
 
 
 def _copy_buffers(monkeypatch: Any, *, floor: int, steps: int) -> list[set[int]]:
-    """The buffers (their ``id``) each sampled step of ``_model`` copied into (10 a step).
+    """The buffers (their ``id``) each forward-only sample of ``_model`` copied into (5 a step).
+
+    Only outputs: the gradients in a backward are read without a copy (``shared``).
 
     Every buffer is kept alive here, so a new one can never take an earlier one's place: the
     same ``id`` in two steps is a reused spare. Each copy first waits for the worker, so that
@@ -188,7 +195,7 @@ def _copy_buffers(monkeypatch: Any, *, floor: int, steps: int) -> list[set[int]]
     monkeypatch.setattr(ReductionWorker, "buffer", watched)
     monkeypatch.setattr(background, "BUDGET_FLOOR", floor)
     used.append(set())
-    worker = _sampled_steps(steps, ended)
+    worker = _sampled_steps(steps, ended, backward=False)
     assert not worker._spares  # removal frees them
     return used[:-1]
 
@@ -768,3 +775,121 @@ def test_closing_with_jobs_queued_keeps_no_spare_buffer() -> None:
     closer.join()
     assert worker._finished == 1
     assert not worker._spares
+
+
+def test_the_worker_reads_each_gradient_itself_not_a_copy(monkeypatch: Any) -> None:
+    """A gradient handed to a hook reaches the reducers as that tensor's own memory."""
+    reduced: set[int] = set()
+    fill = Measurer._fill
+
+    def watched(self: Measurer, plain: torch.Tensor, *args: Any) -> None:
+        reduced.add(plain.data_ptr())
+        fill(self, plain, *args)
+
+    monkeypatch.setattr(Measurer, "_fill", watched)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    gradients: list[torch.Tensor] = []
+
+    def keep_gradient(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        output.register_hook(gradients.append)
+
+    for layer in model:
+        layer.register_forward_hook(keep_gradient)
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=RecordingSink(), background_reductions=True
+    ) as observer:
+        observer.begin_step(0, sample=True)
+        model(torch.randn(32, 16)).square().mean().backward()
+        observer.end_step()
+    assert len(gradients) == 3
+    assert {grad.data_ptr() for grad in gradients} <= reduced
+
+
+class _HalveInPlace(torch.autograd.Function):
+    """Identity forward; its backward halves ``grad_output`` in place and passes it on."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.mul_(0.5)
+
+
+class _Halving(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _HalveInPlace.apply(x)
+
+
+def _halving_records(background_reductions: bool) -> RecordingSink:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), _Halving(), nn.Linear(32, 2))
+    sink = RecordingSink()
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=sink, background_reductions=background_reductions
+    ) as observer:
+        for step in range(3):
+            observer.begin_step(step, sample=True)
+            inputs = torch.randn(64, 8, generator=torch.Generator().manual_seed(step))
+            model(inputs).square().mean().backward()
+            observer.end_step()
+    return sink
+
+
+def test_a_gradient_changed_in_place_is_dropped_once_then_copied() -> None:
+    """A custom backward that scales its ``grad_output`` in place never mixes into the values.
+
+    The worker reads gradients without a copy; the ``_Halving`` module's output gradient
+    changes in place right after its hook, so the first sample has no values for it
+    (``modified_in_place``) and later samples copy it: their values are those of inline
+    reduction, the gradient as the hook saw it.
+    """
+    worker, inline = _halving_records(True), _halving_records(False)
+    first = worker.samples[0]
+    changed = [r for r in first.rows if (r.layer, r.signal) == ("1", "output_gradient")]
+    assert changed
+    assert {(r.value, r.unavailable_reason) for r in changed} == {(None, "modified_in_place")}
+    assert not [h for h in first.histograms if (h.layer, h.signal) == ("1", "output_gradient")]
+    unchanged = [r for r in first.rows if (r.layer, r.signal) != ("1", "output_gradient")]
+    assert unchanged == [r for r in inline.samples[0].rows if r in unchanged]
+    assert len(unchanged) == len(inline.samples[0].rows) - len(changed)
+    assert [s.rows for s in worker.samples[1:]] == [s.rows for s in inline.samples[1:]]
+    assert worker.value("1", "output_gradient", "mean") is not None
+
+
+def test_shared_gradients_are_let_go_once_reduced() -> None:
+    """The worker keeps no gradient past its reduction: the next hook or the sample lets go."""
+    measurer = Measurer(default_reducers(), HistogramReducer(), background=True)
+    try:
+        gradient = torch.randn(1000)
+        first = measurer.measure(gradient, with_histogram=False, shared=True)
+        assert first.shared is not None
+        measurer.wait()
+        measurer.measure(torch.randn(10), with_histogram=False)  # the next hook
+        assert first.shared is None
+        assert first.reason is None
+        assert first.settle() is None
+        assert first.results[0].values is not None
+        alive = weakref.ref(gradient)
+        del gradient
+        gc.collect()
+        assert alive() is None
+    finally:
+        measurer.close()
+
+
+def test_a_shared_tensor_changed_before_the_sample_settles_has_no_values() -> None:
+    """An in-place change after the hand-over drops the values, whenever the worker read it."""
+    measurer = Measurer(default_reducers(), HistogramReducer(), background=True)
+    try:
+        gradient = torch.randn(1000)
+        measurement = measurer.measure(gradient, with_histogram=True, shared=True)
+        gradient.mul_(2)
+        assert measurement.settle() is None
+        assert measurement.reason == "modified_in_place"
+        assert measurement.results == []
+        assert (measurement.histogram, measurement.n_finite) == (None, None)
+        assert measurement.shared is None
+    finally:
+        measurer.close()

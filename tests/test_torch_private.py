@@ -15,6 +15,7 @@ from torchinstruments_core._torch_private import (
     in_backward,
     memory_events,
     queue_callback,
+    version,
 )
 
 
@@ -81,3 +82,19 @@ def test_profiler_memory_events_carry_every_allocation_and_free_in_order() -> No
     raw = profiler.profiler.kineto_results.events()  # what memory_events filters by device
     devices = {e.device_type() for e in raw if e.name() == "[memory]" and abs(e.nbytes()) > 1e6}
     assert devices == {torch._C._autograd.DeviceType.CPU}
+
+
+def test_version_counts_in_place_ops_on_a_tensor_and_its_aliases() -> None:
+    """The count that tells a gradient read without a copy from one changed meanwhile."""
+    tensor = torch.randn(8)
+    start = version(tensor)
+    _ = tensor * 2  # out of place: no change
+    assert version(tensor) == start
+    tensor.mul_(2)
+    assert version(tensor) == start + 1
+    alias = tensor.detach().reshape(-1)  # what the worker reads
+    alias.add_(1)
+    assert version(tensor) == start + 2
+    with torch.no_grad():
+        tensor[0] = 0.0
+    assert version(alias) == start + 3

@@ -5,6 +5,8 @@ goes on. On the CPU the hook would have to run them itself, before the model's n
 Where torch leaves a core free (``torch.get_num_threads()`` below the cores this process may
 use), the hook instead copies the tensor (the model may change it in place once the hook
 returns) and hands the copy to this worker, which runs the reducers while the model computes.
+A gradient, which autograd only reads, is handed over as it is (``Measurer.measure``'s
+``shared``); it counts against the budget below like a copy.
 
 Memory stays bounded: the copies handed over and not yet reduced never hold more bytes than the
 largest copy so far (or than the one being handed over, when it is the largest) or
@@ -164,6 +166,10 @@ class ReductionWorker:
             goal = self._submitted if ticket is None else ticket
             while self._finished < goal:
                 self._condition.wait()
+
+    def done(self, ticket: int | None) -> bool:
+        """Whether the job with ``ticket`` has run (a job without one ran when submitted)."""
+        return ticket is None or self._finished >= ticket or os.getpid() != self._pid
 
     def on_thread(self) -> bool:
         """Whether the caller runs on this worker's thread (inside a job)."""

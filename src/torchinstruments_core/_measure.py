@@ -4,11 +4,14 @@ Nothing here leaves the device. A ``Measurement`` holds device tensors (or the r
 missing) until the sample closes and every measurement crosses to the host in one transfer. On
 the CPU, where torch leaves a core free, the reducers run on the reduction worker
 (``_background``) on a copy of the tensor: the measurement is then filled in later, and
-``Measurement.settle`` (called before its values are read) waits for it.
+``Measurement.settle`` (called before its values are read) waits for it. A gradient handed to a
+hook is not copied (``Measurer.measure(shared=True)``): autograd never changes it, and that it
+did not change is checked once the worker is done with it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,6 +21,7 @@ import torch
 from torchinstruments_core._background import ReductionWorker, free_core
 from torchinstruments_core._plain import plain_tensor
 from torchinstruments_core._records import UnavailableReason
+from torchinstruments_core._torch_private import version
 from torchinstruments_core.reducers import (
     HistogramReducer,
     PreparedTensor,
@@ -60,6 +64,8 @@ class Measurement:
     """The worker filling this measurement in (job ``ticket``); ``None`` once settled."""
     ticket: int | None = None
     finishers: list[Callable[[Measurement], None]] = field(default_factory=list)
+    shared: tuple[torch.Tensor, int] | None = None
+    """The tensor the worker reduces instead of a copy, and its version at the hand-over."""
 
     def then(self, finish: Callable[[Measurement], None]) -> None:
         """Call ``finish(self)`` once complete: now, or in the ``settle`` that completes it.
@@ -83,6 +89,7 @@ class Measurement:
         if self.ticket is not None:
             self.worker.wait(self.ticket)
         self.worker = None
+        self.let_go()
         finishers, self.finishers = self.finishers, []
         first: Exception | None = None
         for finish in finishers:
@@ -91,6 +98,19 @@ class Measurement:
             except Exception as error:
                 first = first or error
         return first
+
+    def let_go(self) -> None:
+        """Once the worker is done with a shared tensor: drop it, and its values if it changed.
+
+        Call it where no torch op of the thread that runs the backward is under way (in a
+        hook, or as the sample closes): an in-place change that overlapped the reductions
+        has then finished, and counted in the tensor's version.
+        """
+        shared, self.shared = self.shared, None
+        if shared is not None and version(shared[0]) != shared[1]:
+            self.reason = UnavailableReason.MODIFIED_IN_PLACE
+            self.n_finite, self.histogram = None, None
+            self.results.clear()
 
 
 def reducer_error_reason(error: BaseException) -> str:
@@ -136,6 +156,7 @@ class Measurer:
         self._index_cache: dict[tuple[torch.device, int, int], torch.Tensor] = {}
         self.background = background
         self._worker = ReductionWorker()
+        self._shared: collections.deque[Measurement] = collections.deque()
 
     def new_sample(self) -> None:
         """Forget the subsample positions of the previous sample; the next one draws its own.
@@ -155,6 +176,7 @@ class Measurer:
     def close(self) -> None:
         """Reduce what the worker holds and stop its thread; later tensors reduce in the caller."""
         self._worker.close()
+        self._let_go(everything=True)
 
     def measure(
         self,
@@ -162,6 +184,7 @@ class Measurer:
         *,
         with_histogram: bool,
         scale: float | torch.Tensor | None = None,
+        shared: bool = False,
     ) -> Measurement:
         """Reduce ``tensor`` (divided by ``scale`` when given, on the tensor's device).
 
@@ -169,7 +192,16 @@ class Measurer:
         that cannot be reduced gives its reason, and an exception from anything that touches
         the tensor (unwrapping, conversion, a reducer) becomes a ``reducer_error`` reason with
         the error in ``Measurement.errors``.
+
+        ``shared`` says that nothing changes ``tensor`` in place once the hook returns: a
+        gradient handed to a hook, which autograd only reads. The reduction worker then reads
+        it, flat and in its working dtype, without a copy (a copy of a large activation's
+        gradient costs the hook about a millisecond), and once it is done checks the tensor's
+        version (``_torch_private.version``): if an in-place op changed it meanwhile (a custom
+        ``backward`` that scales its ``grad_output`` in place), its values are dropped with the
+        reason ``modified_in_place`` instead of mixing old and new entries.
         """
+        self._let_go()
         try:
             with torch.no_grad():
                 plain = self._plain(tensor, scale)
@@ -184,15 +216,31 @@ class Measurer:
             self._fill(plain, measurement, with_histogram, self._index_cache, plain.dtype)
             return measurement
         nbytes = plain.numel() * working_dtype(plain.dtype).itemsize
-        owned = scale is not None  # the division made a tensor of its own
+        # the division made a tensor of its own: nobody else can change it
+        owned = scale is not None
         try:
             measurement.ticket = self._worker.submit(
-                nbytes, lambda: self._job(plain, measurement, with_histogram, owned=owned)
+                nbytes,
+                lambda: self._job(plain, measurement, with_histogram, owned=owned, shared=shared),
             )
         except Exception as error:  # the copy failed (out of memory): no job, a reason
             return Measurement(reducer_error_reason(error), self.metrics, errors=[error])
         measurement.worker = self._worker
+        if measurement.shared is not None:
+            self._shared.append(measurement)
         return measurement
+
+    def _let_go(self, *, everything: bool = False) -> None:
+        """``Measurement.let_go`` of the shared tensors the worker is done with, in order."""
+        while self._shared:
+            measurement = self._shared[0]
+            if not (everything or self._worker.done(measurement.ticket)):
+                return
+            try:
+                self._shared.popleft()
+            except IndexError:  # another thread's hook let it go first
+                return
+            measurement.let_go()
 
     def _plain(
         self, tensor: torch.Tensor, scale: float | torch.Tensor | None
@@ -213,28 +261,38 @@ class Measurer:
         return self.background is True or free_core()
 
     def _job(
-        self, plain: torch.Tensor, measurement: Measurement, with_histogram: bool, *, owned: bool
+        self,
+        plain: torch.Tensor,
+        measurement: Measurement,
+        with_histogram: bool,
+        *,
+        owned: bool,
+        shared: bool = False,
     ) -> tuple[Callable[[], None], torch.Tensor | None]:
         """Copy ``plain`` here, in the hook; return the job that reduces the copy, and its buffer.
 
         The copy is flat and in the working dtype, in a buffer of the worker's (``buffer``),
-        unless ``owned`` (nobody else holds ``plain``) and already flat in that dtype: the model
-        may change its own tensors in place as soon as the hook returns.
+        unless ``plain`` is already flat in that dtype and either ``owned`` (nobody else holds
+        it) or ``shared`` (see ``measure``; its version is noted in ``measurement.shared``):
+        the model may change its own tensors in place as soon as the hook returns.
         """
         dtype = working_dtype(plain.dtype)
-        buffer = None
+        buffer = aliased = None  # what no result may keep reading: reused, or not ours
         with torch.no_grad():
-            if owned and plain.dtype == dtype and plain.is_contiguous():
+            if (owned or shared) and plain.dtype == dtype and plain.is_contiguous():
                 copy = plain.detach().reshape(-1)
+                if not owned:
+                    measurement.shared = (plain, version(plain))
+                    aliased = copy
             else:
-                copy = buffer = self._worker.buffer(plain.numel(), dtype)
+                copy = aliased = buffer = self._worker.buffer(plain.numel(), dtype)
                 copy.view(plain.shape).copy_(plain.detach())
         cache, source_dtype = self._index_cache, plain.dtype  # this sample's, whenever it runs
 
         def job() -> None:
             self._fill(copy, measurement, with_histogram, cache, source_dtype)
-            if buffer is not None:  # the buffer is reused: no result may keep reading it
-                _unalias(measurement, buffer)
+            if aliased is not None:  # a result that is a view of it gets storage of its own
+                _unalias(measurement, aliased)
             for error in measurement.errors:  # its frames would keep the copy alive
                 _forget_frames(error)
 

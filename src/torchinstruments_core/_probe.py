@@ -22,7 +22,7 @@ from torchinstruments_core._capture import GradientSlot, gradient_signal_site
 from torchinstruments_core._failures import REDUCER_CONSEQUENCE
 from torchinstruments_core._nested import iter_tensors
 from torchinstruments_core._profile import CallProfile, CallProfiler, call_device
-from torchinstruments_core._records import Signal
+from torchinstruments_core._records import Signal, UnavailableReason
 from torchinstruments_core._sample import Sample, Site
 from torchinstruments_core._signals import fixed_root
 from torchinstruments_core._torch_private import current_graph_task_id, queue_callback
@@ -57,7 +57,15 @@ class OutputProbe:
         profiler: Times each call (and reads CUDA memory) when ``profile`` is on.
     """
 
-    __slots__ = ("_close", "_failures", "_measurer", "_profiler", "_waiting", "record_inputs")
+    __slots__ = (
+        "_changed",
+        "_close",
+        "_failures",
+        "_measurer",
+        "_profiler",
+        "_waiting",
+        "record_inputs",
+    )
 
     def __init__(
         self,
@@ -75,6 +83,7 @@ class OutputProbe:
         self._waiting = waiting
         self.record_inputs = record_inputs
         self._profiler = profiler
+        self._changed: set[Site] = set()  # gradients that changed in place: copied from now on
 
     def observe_inputs(self, sample: Sample, layer: Layer, args: Any, kwargs: Any) -> None:
         """A call starts: measure its inputs, watch their gradients, start its profile."""
@@ -256,23 +265,39 @@ class OutputProbe:
         assert slot.site is not None, "only slots with a site measure"
         sample, profiler = slot.sample, self._profiler
         if profiler is None:
-            measurement = self._measure(grad, slot.site, slot.histogram, sample.gradient_scale)
+            measurement = self._measure_gradient(grad, slot.site, slot.histogram, sample)
             sample.add(slot.site, measurement)
             return
         device = call_device(iter((grad,)), None)
         began = profiler.stamp(device)  # the observer's work: left out of every call's time
-        measurement = self._measure(grad, slot.site, slot.histogram, sample.gradient_scale)
+        measurement = self._measure_gradient(grad, slot.site, slot.histogram, sample)
         sample.add(slot.site, measurement)
         sample.overhead.append((began, profiler.stamp(device)))
 
-    def _measure(
-        self,
-        tensor: torch.Tensor,
-        site: Site,
-        histogram: bool,
-        scale: float | torch.Tensor | None = None,
+    def _measure(self, tensor: torch.Tensor, site: Site, histogram: bool) -> Measurement:
+        return measure_site(self._measurer, self._failures, tensor, site, histogram)
+
+    def _measure_gradient(
+        self, grad: torch.Tensor, site: Site, histogram: bool, sample: Sample
     ) -> Measurement:
-        return measure_site(self._measurer, self._failures, tensor, site, histogram, scale)
+        """A gradient autograd handed to a hook: it only reads it, so no copy (``shared``).
+
+        Code of the model's may still change it in place (a custom ``backward`` scaling its
+        ``grad_output``): its values are then unavailable once (``modified_in_place``), and
+        its gradient is copied in every later sample.
+        """
+        shared = site not in self._changed
+        scale = sample.gradient_scale
+        measurement = measure_site(
+            self._measurer, self._failures, grad, site, histogram, scale, shared=shared
+        )
+        if shared:
+            measurement.then(functools.partial(self._note_change, site))
+        return measurement
+
+    def _note_change(self, site: Site, measurement: Measurement) -> None:
+        if measurement.reason == UnavailableReason.MODIFIED_IN_PLACE:
+            self._changed.add(site)
 
 
 def measure_site(
@@ -282,9 +307,14 @@ def measure_site(
     site: Site,
     histogram: bool,
     scale: float | torch.Tensor | None = None,
+    *,
+    shared: bool = False,
 ) -> Measurement:
-    """Reduce ``tensor`` on its device, reporting each failing reducer with where it failed."""
-    measurement = measurer.measure(tensor, with_histogram=histogram, scale=scale)
+    """Reduce ``tensor`` on its device, reporting each failing reducer with where it failed.
+
+    ``shared``: nothing changes ``tensor`` in place after the hook (``Measurer.measure``).
+    """
+    measurement = measurer.measure(tensor, with_histogram=histogram, scale=scale, shared=shared)
     measurement.then(functools.partial(_report_errors, failures, site))
     return measurement
 

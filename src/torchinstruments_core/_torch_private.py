@@ -7,6 +7,9 @@ fails loudly instead of silently mis-correlating gradients or mis-measuring memo
   knows that every gradient of that backward has arrived; DDP and FSDP use the same call.
 - ``in_backward``: whether the calling code runs inside an autograd graph task. A root forward
   that starts during a backward is the recomputation of activation checkpointing, not a new sample.
+- ``version``: how many in-place changes a tensor's storage has seen through torch ops (shared
+  by its views and detached aliases). The reduction worker reads a gradient without copying
+  it and afterwards checks that this count has not moved.
 - ``memory_events``: every allocation and free a profiler saw, in time order. The public
   ``FunctionEvent`` list folds allocations into the ops that made them and drops the time of
   each free, so peak tensor memory on the CPU, which has no allocator statistics, needs the raw
@@ -41,6 +44,15 @@ def current_graph_task_id() -> int:
 def in_backward() -> bool:
     """Whether this thread is executing a backward pass right now."""
     return current_graph_task_id() != -1
+
+
+def version(tensor: torch.Tensor) -> int:
+    """The version counter of ``tensor``: every in-place torch op on it or an alias adds one.
+
+    Changes that bypass torch's ops (``tensor.data``, a numpy view, inference mode) do not
+    count.
+    """
+    return int(tensor._version)
 
 
 def memory_events(profiler: profile) -> list[tuple[int, int]]:
