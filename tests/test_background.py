@@ -32,6 +32,7 @@ from torchinstruments_core import _background as background
 from torchinstruments_core._background import ReductionWorker
 from torchinstruments_core._failures import FailureReport
 from torchinstruments_core._measure import Measurer
+from torchinstruments_core._probe import OutputProbe
 from torchinstruments_core._records import Signal
 from torchinstruments_core._sample import Sample, Site
 from torchinstruments_core.reducers import HistogramReducer, PreparedTensor, default_reducers
@@ -168,7 +169,8 @@ def test_copies_waiting_for_the_worker_may_fill_the_floor_and_never_pass_it(
 def _copy_buffers(monkeypatch: Any, *, floor: int, steps: int) -> list[set[int]]:
     """The buffers (their ``id``) each forward-only sample of ``_model`` copied into (5 a step).
 
-    Only outputs: the gradients in a backward are read without a copy (``shared``).
+    Only outputs, and all of them: gradients are read without a copy (``shared``), and so are
+    outputs once a forward showed them unchanged, which ``end_forward`` is kept from learning.
 
     Every buffer is kept alive here, so a new one can never take an earlier one's place: the
     same ``id`` in two steps is a reused spare. Each copy first waits for the worker, so that
@@ -194,6 +196,7 @@ def _copy_buffers(monkeypatch: Any, *, floor: int, steps: int) -> list[set[int]]
 
     monkeypatch.setattr(ReductionWorker, "buffer", watched)
     monkeypatch.setattr(background, "BUDGET_FLOOR", floor)
+    monkeypatch.setattr(OutputProbe, "end_forward", lambda _probe, sample: None)
     used.append(set())
     worker = _sampled_steps(steps, ended, backward=False)
     assert not worker._spares  # removal frees them
@@ -893,3 +896,94 @@ def test_a_shared_tensor_changed_before_the_sample_settles_has_no_values() -> No
         assert measurement.shared is None
     finally:
         measurer.close()
+
+
+def test_outputs_are_shared_once_a_forward_left_them_unchanged(monkeypatch: Any) -> None:
+    """The first sample copies every output; later ones only the one changed in place after.
+
+    ``_model``'s in-place ReLU changes the first Linear's output once its hook has returned:
+    that output stays copied, the others are read where they lie from the second sample on.
+    """
+    reduced: list[set[int]] = []
+    copied: list[list[int]] = []
+    fill, buffer = Measurer._fill, ReductionWorker.buffer
+
+    def watched_fill(self: Measurer, plain: torch.Tensor, *args: Any) -> None:
+        reduced[-1].add(plain.data_ptr())
+        fill(self, plain, *args)
+
+    def watched_buffer(self: ReductionWorker, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        copied[-1].append(numel)
+        return buffer(self, numel, dtype)
+
+    monkeypatch.setattr(Measurer, "_fill", watched_fill)
+    monkeypatch.setattr(ReductionWorker, "buffer", watched_buffer)
+    model = _model()
+    outputs: list[dict[str, torch.Tensor]] = []  # kept alive: no later tensor takes their memory
+    for name, layer in model.named_children():
+        layer.register_forward_hook(
+            lambda _m, _i, out, name=name: outputs[-1].__setitem__(name, out)
+        )
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=RecordingSink(), background_reductions=True
+    ) as observer:
+        for step in range(3):
+            reduced.append(set())
+            copied.append([])
+            outputs.append({})
+            observer.begin_step(step, sample=True)
+            model(torch.randn(256, 64)).sum().backward()
+            observer.end_step()
+    read_in_place = [
+        {name for name, tensor in out.items() if tensor.data_ptr() in red}
+        for out, red in zip(outputs, reduced, strict=True)
+    ]
+    assert read_in_place[0] == set()
+    # "0" is the ReLU's output too ("1"), which is read where it lies: the same memory
+    assert read_in_place[1] == read_in_place[2] == {"0", "1", "2", "3", "4"}
+    # the loss's gradient is expanded (not contiguous): copied every time, like output "0"
+    widest, loss = 256 * 512, 256 * 8
+    assert sorted(copied[0]) == [loss, loss, widest, widest, widest, widest]
+    assert sorted(copied[1]) == sorted(copied[2]) == [loss, widest]
+
+
+def _changed_after_forward(background_reductions: bool) -> RecordingSink:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
+    sink = RecordingSink()
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=sink, background_reductions=background_reductions
+    ) as observer:
+        for step in range(3):
+            observer.begin_step(step, sample=True)
+            output = model(torch.randn(64, 8, generator=torch.Generator().manual_seed(step)))
+            output.add_(1)  # after the forward: the last Linear's output changes in place
+            output.square().mean().backward()
+            observer.end_step()
+    return sink
+
+
+def test_an_output_changed_after_the_forward_is_dropped_once_then_copied() -> None:
+    """An output a forward left unchanged is shared; changed later, its values are dropped once.
+
+    Only the sample that read it without a copy loses them (``modified_in_place``); the others
+    have the values of inline reduction, the output as its hook saw it.
+    """
+    worker, inline = _changed_after_forward(True), _changed_after_forward(False)
+
+    def changed(row: Any) -> bool:
+        return (row.layer, row.signal) == ("2", "output")
+
+    for index, (got, want) in enumerate(zip(worker.samples, inline.samples, strict=True)):
+        if index == 1:
+            dropped = [r for r in got.rows if changed(r)]
+            assert dropped
+            assert {(r.value, r.unavailable_reason) for r in dropped} == {
+                (None, "modified_in_place")
+            }
+            assert [r for r in got.rows if not changed(r)] == [
+                r for r in want.rows if not changed(r)
+            ]
+        else:
+            assert got.rows == want.rows, index
+    assert worker.value("2", "output", "mean") == inline.value("2", "output", "mean")

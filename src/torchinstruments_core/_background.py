@@ -5,8 +5,9 @@ goes on. On the CPU the hook would have to run them itself, before the model's n
 Where torch leaves a core free (``torch.get_num_threads()`` below the cores this process may
 use), the hook instead copies the tensor (the model may change it in place once the hook
 returns) and hands the copy to this worker, which runs the reducers while the model computes.
-A gradient, which autograd only reads, is handed over as it is (``Measurer.measure``'s
-``shared``); it counts against the budget below like a copy.
+A gradient, which autograd only reads, and an output that an earlier forward left unchanged
+are handed over as they are (``Measurer.measure``'s ``shared``); they count against the
+budget below like copies.
 
 Memory stays bounded: the copies handed over and not yet reduced never hold more bytes than the
 largest copy so far (or than the one being handed over, when it is the largest) or

@@ -240,6 +240,7 @@ class SampleLifecycle:
         sample, local.active = local.active, None
         if sample is None:
             return
+        self._probe.end_forward(sample)
         keep = sample.expects_gradients and not failed
         with self._lock:
             self._running.pop(sample.sample_id, None)

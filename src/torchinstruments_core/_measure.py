@@ -4,9 +4,10 @@ Nothing here leaves the device. A ``Measurement`` holds device tensors (or the r
 missing) until the sample closes and every measurement crosses to the host in one transfer. On
 the CPU, where torch leaves a core free, the reducers run on the reduction worker
 (``_background``) on a copy of the tensor: the measurement is then filled in later, and
-``Measurement.settle`` (called before its values are read) waits for it. A gradient handed to a
-hook is not copied (``Measurer.measure(shared=True)``): autograd never changes it, and that it
-did not change is checked once the worker is done with it.
+``Measurement.settle`` (called before its values are read) waits for it. Gradients handed to
+hooks, and outputs that an earlier forward left unchanged, are not copied
+(``Measurer.measure(shared=True)``): that they did not change is checked once the worker is
+done with them.
 """
 
 from __future__ import annotations
@@ -193,11 +194,12 @@ class Measurer:
         the tensor (unwrapping, conversion, a reducer) becomes a ``reducer_error`` reason with
         the error in ``Measurement.errors``.
 
-        ``shared`` says that nothing changes ``tensor`` in place once the hook returns: a
-        gradient handed to a hook, which autograd only reads. The reduction worker then reads
-        it, flat and in its working dtype, without a copy (a copy of a large activation's
-        gradient costs the hook about a millisecond), and once it is done checks the tensor's
-        version (``_torch_private.version``): if an in-place op changed it meanwhile (a custom
+        ``shared`` says that nothing should change ``tensor`` in place once the hook returns:
+        a gradient handed to a hook, which autograd only reads, or an output that a forward
+        left unchanged before (``OutputProbe``). The reduction worker then reads it, flat and
+        in its working dtype, without a copy (a copy of a large activation costs the hook
+        about a millisecond), and once it is done checks the tensor's version
+        (``_torch_private.version``): if an in-place op changed it meanwhile (a custom
         ``backward`` that scales its ``grad_output`` in place), its values are dropped with the
         reason ``modified_in_place`` instead of mixing old and new entries.
         """

@@ -16,6 +16,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import is_grad_enabled
 
 from torchinstruments_core._capture import GradientSlot, gradient_signal_site
@@ -25,12 +26,10 @@ from torchinstruments_core._profile import CallProfile, CallProfiler, call_devic
 from torchinstruments_core._records import Signal, UnavailableReason
 from torchinstruments_core._sample import Sample, Site
 from torchinstruments_core._signals import fixed_root
-from torchinstruments_core._torch_private import current_graph_task_id, queue_callback
+from torchinstruments_core._torch_private import current_graph_task_id, queue_callback, version
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
-
-    import torch
 
     from torchinstruments_core._failures import FailureReport
     from torchinstruments_core._layers import Layer
@@ -63,6 +62,7 @@ class OutputProbe:
         "_failures",
         "_measurer",
         "_profiler",
+        "_unchanged",
         "_waiting",
         "record_inputs",
     )
@@ -83,7 +83,9 @@ class OutputProbe:
         self._waiting = waiting
         self.record_inputs = record_inputs
         self._profiler = profiler
-        self._changed: set[Site] = set()  # gradients that changed in place: copied from now on
+        # what the reduction worker reads without a copy (``Measurer.measure``'s ``shared``)
+        self._changed: set[Site] = set()  # changed in place after their hook: always copied
+        self._unchanged: set[Site] = set()  # outputs a whole forward left as they were: shared
 
     def observe_inputs(self, sample: Sample, layer: Layer, args: Any, kwargs: Any) -> None:
         """A call starts: measure its inputs, watch their gradients, start its profile."""
@@ -112,7 +114,7 @@ class OutputProbe:
             end = self._profiler.end_forward(profile)
         for path, tensor in iter_tensors(output, _OUTPUT_ROOT):
             site = Site(layer.name, call_index, Signal.OUTPUT, path)
-            sample.add(site, self._measure(tensor, site, layer.histogram))
+            sample.add(site, self._measure_output(sample, tensor, site, layer.histogram))
             if tensor.requires_grad:
                 self._watch_gradient(sample, site, tensor, layer.histogram, profile)
                 if profile is not None:
@@ -277,6 +279,35 @@ class OutputProbe:
     def _measure(self, tensor: torch.Tensor, site: Site, histogram: bool) -> Measurement:
         return measure_site(self._measurer, self._failures, tensor, site, histogram)
 
+    def _measure_output(
+        self, sample: Sample, tensor: torch.Tensor, site: Site, histogram: bool
+    ) -> Measurement:
+        """An output: copied for the worker until a forward shows nothing changes it after.
+
+        The model often changes an output in place once its hook has returned (an in-place
+        ReLU after a convolution). The first time, the output is copied and its version noted;
+        if the sample's forward ends with the version unchanged (``end_forward``), later
+        samples hand the output over without a copy (``shared``), and a change then still
+        drops that sample's values instead of mixing them (``modified_in_place``).
+        """
+        shared = site in self._unchanged
+        measurement = self._measure_shared(tensor, site, histogram, None, shared=shared)
+        learn = not shared and site not in self._changed and measurement.worker is not None
+        if learn and type(tensor) is torch.Tensor and not tensor.is_nested:
+            sample.unverified.append((site, weakref.ref(tensor), version(tensor)))
+        return measurement
+
+    def end_forward(self, sample: Sample) -> None:
+        """The sample's forward ended: its outputs not changed in place are shared from now on.
+
+        An output freed meanwhile teaches nothing (it stays copied for the time being).
+        """
+        for site, alive, seen in sample.unverified:
+            tensor = alive()
+            if tensor is not None:
+                (self._unchanged if version(tensor) == seen else self._changed).add(site)
+        sample.unverified.clear()
+
     def _measure_gradient(
         self, grad: torch.Tensor, site: Site, histogram: bool, sample: Sample
     ) -> Measurement:
@@ -287,9 +318,19 @@ class OutputProbe:
         its gradient is copied in every later sample.
         """
         shared = site not in self._changed
-        scale = sample.gradient_scale
+        return self._measure_shared(grad, site, histogram, sample.gradient_scale, shared=shared)
+
+    def _measure_shared(
+        self,
+        tensor: torch.Tensor,
+        site: Site,
+        histogram: bool,
+        scale: float | torch.Tensor | None,
+        *,
+        shared: bool,
+    ) -> Measurement:
         measurement = measure_site(
-            self._measurer, self._failures, grad, site, histogram, scale, shared=shared
+            self._measurer, self._failures, tensor, site, histogram, scale, shared=shared
         )
         if shared:
             measurement.then(functools.partial(self._note_change, site))
@@ -298,6 +339,7 @@ class OutputProbe:
     def _note_change(self, site: Site, measurement: Measurement) -> None:
         if measurement.reason == UnavailableReason.MODIFIED_IN_PLACE:
             self._changed.add(site)
+            self._unchanged.discard(site)
 
 
 def measure_site(

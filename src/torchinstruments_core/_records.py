@@ -41,8 +41,9 @@ class UnavailableReason(StrEnum):
     """A reducer other than the moments and quartiles has no combination across shards."""
     NO_GRADIENT = "no_gradient"
     MODIFIED_IN_PLACE = "modified_in_place"
-    """A gradient the CPU reduction worker read without a copy changed in place before it was
-    done (``Measurer.measure(shared=True)``): its values could mix the old and the new."""
+    """A tensor the CPU reduction worker read without a copy (a gradient, an output) changed in
+    place before it was done (``Measurer.measure(shared=True)``): its values could mix the old
+    and the new."""
     REDUCER_ERROR = "reducer_error"
 
 

@@ -92,6 +92,8 @@ class Sample:
         self._open_calls: dict[str, list[tuple[int, CallProfile | None]]] = {}
         # Held while the forward runs; afterwards only the gradient hooks hold it (see Observer).
         self.sentinel: object | None = None
+        # outputs copied for the worker, with their version: did the forward change them after?
+        self.unverified: list[tuple[Site, weakref.ref[torch.Tensor], int]] = []
 
     def next_call_index(self, layer: str) -> int:
         """The call index of the next call of ``layer`` within this sample."""
