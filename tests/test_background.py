@@ -987,3 +987,87 @@ def test_an_output_changed_after_the_forward_is_dropped_once_then_copied() -> No
         else:
             assert got.rows == want.rows, index
     assert worker.value("2", "output", "mean") == inline.value("2", "output", "mean")
+
+
+def test_an_inference_mode_forward_is_reduced_from_copies() -> None:
+    """Inference tensors have no version to check: every sample copies them, same values."""
+
+    def records(background_reductions: bool) -> RecordingSink:
+        model, sink = _model(), RecordingSink()
+        with inject_observer(
+            model, sampler=AlwaysSampler(), sink=sink, background_reductions=background_reductions
+        ) as observer:
+            for step in range(2):
+                observer.begin_step(step, sample=True)
+                with torch.inference_mode():
+                    model(torch.randn(256, 64, generator=torch.Generator().manual_seed(step)))
+                observer.end_step()
+        return sink
+
+    worker, inline = records(True), records(False)
+    assert [s.rows for s in worker.samples] == [s.rows for s in inline.samples]
+    assert all(r.unavailable_reason is None for r in worker.rows)
+
+
+def test_only_tensors_whose_changes_move_their_version_are_shared(tmp_path: Any) -> None:
+    """Plain tensors are; nested, inference and subclass tensors, and all under a group, not."""
+    from torchinstruments_core._measure import shareable
+
+    assert shareable(torch.randn(3))
+    jagged = [torch.randn(2), torch.randn(3)]
+    assert not shareable(torch.nested.nested_tensor(jagged, layout=torch.jagged))
+    with torch.inference_mode():
+        assert not shareable(torch.randn(3))
+
+    class Marked(torch.Tensor):
+        pass
+
+    assert not shareable(torch.randn(3).as_subclass(Marked))
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        assert not shareable(torch.randn(3))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_hook_lets_go_only_what_its_own_thread_handed_over() -> None:
+    """Another thread may be inside an in-place op on its tensor: only its own hook checks it."""
+    measurer = Measurer(default_reducers(), HistogramReducer(), background=True)
+    try:
+        handed: list[Any] = []
+        other = threading.Thread(
+            target=lambda: handed.append(
+                measurer.measure(torch.randn(100), with_histogram=False, shared=True)
+            )
+        )
+        other.start()
+        other.join()
+        measurer.wait()
+        mine = measurer.measure(torch.randn(100), with_histogram=False, shared=True)
+        measurer.wait()
+        measurer.measure(torch.randn(10), with_histogram=False)  # this thread's next hook
+        assert mine.shared is None
+        assert handed[0].shared is not None  # waits for its own thread, or the sample's close
+        assert handed[0].settle() is None
+        assert handed[0].shared is None
+        assert handed[0].reason is None
+    finally:
+        measurer.close()
+
+
+def test_dropped_values_take_their_reducers_errors_with_them() -> None:
+    """A reducer that chokes on entries changing under it reports nothing: the values are gone."""
+    measurer = Measurer([_Failing()], HistogramReducer(), background=True)
+    try:
+        gradient = torch.randn(100)
+        measurement = measurer.measure(gradient, with_histogram=False, shared=True)
+        measurer.wait()
+        assert measurement.errors  # the reducer failed while reading it
+        gradient.add_(1)
+        assert measurement.settle() is None
+        assert measurement.reason == "modified_in_place"
+        assert measurement.errors == []
+    finally:
+        measurer.close()

@@ -142,8 +142,9 @@ def inject_observer(
             itself): ``None`` (default) where torch's intra-op threads leave a core free
             (``torch.get_num_threads()`` below the cores this process may use), ``True`` always,
             ``False`` never. The values are the same either way, but for a tensor read without
-            a copy that the model's code changes in place before the worker is done: it has no
-            values once (``modified_in_place``), then is copied. The tensors waiting for
+            a copy that the model's code changes in place before that was checked (at the
+            thread's next hook, or when the sample closes): it has no values once
+            (``modified_in_place``), then is copied. The tensors waiting for
             the worker hold at most the largest one so far (in float32) or 8 MiB, whichever is
             more; up to 8 MiB of reduced copies' buffers is kept for reuse until the observer is
             removed. A sample is delivered once the

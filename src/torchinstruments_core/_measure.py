@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from torchinstruments_core._background import ReductionWorker, free_core
 from torchinstruments_core._plain import plain_tensor
@@ -112,6 +114,23 @@ class Measurement:
             self.reason = UnavailableReason.MODIFIED_IN_PLACE
             self.n_finite, self.histogram = None, None
             self.results.clear()
+            self.errors.clear()  # a reducer that choked on entries changing under it did not fail
+
+
+def shareable(tensor: torch.Tensor) -> bool:
+    """Whether any in-place change of ``tensor`` would move its version (``Measurer.measure``).
+
+    Not a wrapper subclass (a ``DTensor``'s ops move its own version, not its local tensor's),
+    a nested tensor or an inference tensor (which has no version), and not once a process
+    group is up: a collective (a tensor-parallel ``all_reduce`` of a gradient in its
+    ``backward``) writes into a tensor without moving its version.
+    """
+    return (
+        type(tensor) is torch.Tensor
+        and not tensor.is_nested
+        and not tensor.is_inference()
+        and not (dist.is_available() and dist.is_initialized())
+    )
 
 
 def reducer_error_reason(error: BaseException) -> str:
@@ -157,14 +176,21 @@ class Measurer:
         self._index_cache: dict[tuple[torch.device, int, int], torch.Tensor] = {}
         self.background = background
         self._worker = ReductionWorker()
-        self._shared: collections.deque[Measurement] = collections.deque()
+        # the measurements read without a copy, per thread that measured them (``_let_go``)
+        self._shared: dict[int, collections.deque[Measurement]] = {}
 
     def new_sample(self) -> None:
         """Forget the subsample positions of the previous sample; the next one draws its own.
 
         A new mapping, not a cleared one: the worker's jobs of the previous sample keep theirs.
+        The lists of shared tensors of threads that have none left are dropped.
         """
         self._index_cache = {}
+        self._shared = {
+            thread: pending
+            for thread, pending in self._shared.items()
+            if any(measurement.shared is not None for measurement in pending)
+        }
 
     def wait(self) -> None:
         """Block until the reduction worker has reduced every tensor handed to it."""
@@ -177,7 +203,10 @@ class Measurer:
     def close(self) -> None:
         """Reduce what the worker holds and stop its thread; later tensors reduce in the caller."""
         self._worker.close()
-        self._let_go(everything=True)
+        shared, self._shared = self._shared, {}
+        for pending in shared.values():
+            for measurement in pending:
+                measurement.let_go()
 
     def measure(
         self,
@@ -198,12 +227,15 @@ class Measurer:
         a gradient handed to a hook, which autograd only reads, or an output that a forward
         left unchanged before (``OutputProbe``). The reduction worker then reads it, flat and
         in its working dtype, without a copy (a copy of a large activation costs the hook
-        about a millisecond), and once it is done checks the tensor's version
-        (``_torch_private.version``): if an in-place op changed it meanwhile (a custom
-        ``backward`` that scales its ``grad_output`` in place), its values are dropped with the
-        reason ``modified_in_place`` instead of mixing old and new entries.
+        about a millisecond), and checks the tensor's version (``_torch_private.version``)
+        once it is done, at the next ``measure`` of the same thread or when the measurement
+        settles: if an in-place op changed it by then (a custom ``backward`` that scales its
+        ``grad_output`` in place), its values are dropped with the reason
+        ``modified_in_place`` instead of mixing old and new entries. Only a tensor whose
+        changes would show in its version is shared (``shareable``).
         """
         self._let_go()
+        shared = shared and shareable(tensor)
         try:
             with torch.no_grad():
                 plain = self._plain(tensor, scale)
@@ -229,20 +261,19 @@ class Measurer:
             return Measurement(reducer_error_reason(error), self.metrics, errors=[error])
         measurement.worker = self._worker
         if measurement.shared is not None:
-            self._shared.append(measurement)
+            thread = threading.get_ident()
+            self._shared.setdefault(thread, collections.deque()).append(measurement)
         return measurement
 
-    def _let_go(self, *, everything: bool = False) -> None:
-        """``Measurement.let_go`` of the shared tensors the worker is done with, in order."""
-        while self._shared:
-            measurement = self._shared[0]
-            if not (everything or self._worker.done(measurement.ticket)):
-                return
-            try:
-                self._shared.popleft()
-            except IndexError:  # another thread's hook let it go first
-                return
-            measurement.let_go()
+    def _let_go(self) -> None:
+        """``Measurement.let_go`` of this thread's shared tensors the worker is done with.
+
+        Only this thread's: in its hook no op of its own is under way, but another thread
+        may be in the middle of an in-place op whose version moves only when it returns.
+        """
+        pending = self._shared.get(threading.get_ident())
+        while pending and self._worker.done(pending[0].ticket):
+            pending.popleft().let_go()
 
     def _plain(
         self, tensor: torch.Tensor, scale: float | torch.Tensor | None

@@ -16,11 +16,11 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import is_grad_enabled
 
 from torchinstruments_core._capture import GradientSlot, gradient_signal_site
 from torchinstruments_core._failures import REDUCER_CONSEQUENCE
+from torchinstruments_core._measure import shareable
 from torchinstruments_core._nested import iter_tensors
 from torchinstruments_core._profile import CallProfile, CallProfiler, call_device
 from torchinstruments_core._records import Signal, UnavailableReason
@@ -30,6 +30,8 @@ from torchinstruments_core._torch_private import current_graph_task_id, queue_ca
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
+
+    import torch
 
     from torchinstruments_core._failures import FailureReport
     from torchinstruments_core._layers import Layer
@@ -293,7 +295,7 @@ class OutputProbe:
         shared = site in self._unchanged
         measurement = self._measure_shared(tensor, site, histogram, None, shared=shared)
         learn = not shared and site not in self._changed and measurement.worker is not None
-        if learn and type(tensor) is torch.Tensor and not tensor.is_nested:
+        if learn and shareable(tensor):
             sample.unverified.append((site, weakref.ref(tensor), version(tensor)))
         return measurement
 

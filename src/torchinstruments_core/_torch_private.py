@@ -7,9 +7,9 @@ fails loudly instead of silently mis-correlating gradients or mis-measuring memo
   knows that every gradient of that backward has arrived; DDP and FSDP use the same call.
 - ``in_backward``: whether the calling code runs inside an autograd graph task. A root forward
   that starts during a backward is the recomputation of activation checkpointing, not a new sample.
-- ``version``: how many in-place changes a tensor's storage has seen through torch ops (shared
-  by its views and detached aliases). The reduction worker reads a gradient without copying
-  it and afterwards checks that this count has not moved.
+- ``version``: how many in-place torch ops a tensor, its views and its detached aliases have
+  seen. The reduction worker reads a gradient (or an output) without copying it and
+  afterwards checks that this count has not moved.
 - ``memory_events``: every allocation and free a profiler saw, in time order. The public
   ``FunctionEvent`` list folds allocations into the ops that made them and drops the time of
   each free, so peak tensor memory on the CPU, which has no allocator statistics, needs the raw
@@ -47,10 +47,13 @@ def in_backward() -> bool:
 
 
 def version(tensor: torch.Tensor) -> int:
-    """The version counter of ``tensor``: every in-place torch op on it or an alias adds one.
+    """The version counter of ``tensor``: every in-place torch op on it, a view of it or a
+    detached alias adds one (under ``inference_mode`` too, for a tensor made outside it).
 
-    Changes that bypass torch's ops (``tensor.data``, a numpy view, inference mode) do not
-    count.
+    Writes that bypass those ops do not count: through ``tensor.data`` (an alias with a counter
+    of its own), ``untyped_storage()``, a numpy view, a collective (``all_reduce`` writes into
+    its tensor), or a ``DTensor``'s ops as seen from its local tensor. An inference tensor has
+    no counter: this raises ``RuntimeError`` for one.
     """
     return int(tensor._version)
 
