@@ -1071,3 +1071,99 @@ def test_dropped_values_take_their_reducers_errors_with_them() -> None:
         assert measurement.errors == []
     finally:
         measurer.close()
+
+
+def _rollout_records(background_reductions: bool, monkeypatch: Any) -> RecordingSink:
+    """Four forwards of a policy on one numpy buffer that the loop refills, then one backward.
+
+    The buffer is written through numpy, which never moves a tensor's version; each reduction
+    waits 2 ms, so that the worker reads after the next refill if it reads the buffer itself.
+    """
+    fill = Measurer._fill
+
+    def slow(self: Measurer, *args: Any) -> None:
+        time.sleep(0.002)
+        fill(self, *args)
+
+    monkeypatch.setattr(Measurer, "_fill", slow)
+    torch.manual_seed(0)
+    policy = nn.Sequential(nn.Flatten(), nn.Linear(12, 4))
+    observations = torch.zeros(2, 3, 4).numpy()
+    sink = RecordingSink()
+    with inject_observer(
+        policy, sampler=AlwaysSampler(), sink=sink, background_reductions=background_reductions
+    ) as observer:
+        for update in range(2):
+            observer.begin_step(update, sample=True)
+            losses = []
+            for step in range(4):
+                observations[:] = 4 * update + step  # the environment's next observation
+                losses.append(policy(torch.from_numpy(observations)).square().mean())
+            torch.stack(losses).sum().backward()
+            observer.end_step()
+    return sink
+
+
+def test_views_of_what_autograd_did_not_compute_are_always_copied(monkeypatch: Any) -> None:
+    """A view of a numpy buffer that the loop refills is copied: its values are the hook's."""
+    worker = _rollout_records(True, monkeypatch)
+    inline = _rollout_records(False, monkeypatch)
+    assert [s.rows for s in worker.samples] == [s.rows for s in inline.samples]
+    samples = sorted(worker.samples, key=lambda sample: sample.sample_id)
+    means = [worker.value("0", "output", "mean", sample_id=s.sample_id) for s in samples]
+    assert means == [float(n) for n in range(8)]  # each forward's own observation
+
+
+def test_only_what_autograd_computed_is_read_without_a_copy() -> None:
+    """Outputs autograd made, and views of them; not views of inputs, buffers or parameters."""
+    from torchinstruments_core._probe import _computed
+
+    leaf = torch.randn(4, 3)
+    weight = nn.Parameter(torch.randn(4, 3))
+    activation = (leaf * 2).requires_grad_()
+    made = weight * 2
+    assert _computed(made)
+    assert _computed(made.view(-1))
+    assert _computed(made.relu_())
+    assert not _computed(leaf.view(-1))
+    assert not _computed(activation)  # a leaf: nothing computed it
+    assert not _computed(weight.view(-1))
+    assert not _computed(nn.BatchNorm1d(3).running_mean)
+    with torch.no_grad():
+        assert not _computed(weight * 2)
+
+
+def test_a_change_found_at_a_hook_makes_the_next_open_sample_copy() -> None:
+    """With several samples open, only the one read when the change was found loses values.
+
+    Each forward's output changes in place after the forward; the second sample shares it,
+    and the third sample's first hook finds the change and copies from then on.
+    """
+
+    def records(background_reductions: bool) -> RecordingSink:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
+        sink = RecordingSink()
+        with inject_observer(
+            model, sampler=AlwaysSampler(), sink=sink, background_reductions=background_reductions
+        ) as observer:
+            observer.begin_step(0, sample=True)
+            losses = []
+            for forward in range(4):
+                output = model(torch.randn(64, 8, generator=torch.Generator().manual_seed(forward)))
+                output.add_(1)
+                losses.append(output.square().mean())
+                observer._config.measurer.wait()  # the worker is done before the next forward
+            torch.stack(losses).sum().backward()
+            observer.end_step()
+        return sink
+
+    worker, inline = records(True), records(False)
+    by_forward = [sorted(sink.samples, key=lambda s: s.sample_id) for sink in (worker, inline)]
+    reasons = [
+        {r.unavailable_reason for r in s.rows if (r.layer, r.signal) == ("2", "output")}
+        for s in by_forward[0]
+    ]
+    assert reasons == [{None}, {"modified_in_place"}, {None}, {None}]
+    for index in (0, 2, 3):
+        assert by_forward[0][index].rows == by_forward[1][index].rows

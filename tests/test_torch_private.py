@@ -16,6 +16,7 @@ from torchinstruments_core._torch_private import (
     memory_events,
     queue_callback,
     version,
+    view_base,
 )
 
 
@@ -98,3 +99,13 @@ def test_version_counts_in_place_ops_on_a_tensor_and_its_aliases() -> None:
     with torch.no_grad():
         tensor[0] = 0.0
     assert version(alias) == start + 3
+
+
+def test_view_base_is_the_tensor_every_view_was_taken_of() -> None:
+    """The root of a chain of views, which tells a computed output's view from an input's."""
+    tensor = torch.randn(4, 3)
+    flat = tensor.view(-1)
+    assert view_base(flat) is tensor
+    assert view_base(flat[3:].view(3, 3)) is tensor  # through every view in between
+    assert view_base(tensor) is None
+    assert view_base(tensor * 2) is None

@@ -69,6 +69,8 @@ class Measurement:
     finishers: list[Callable[[Measurement], None]] = field(default_factory=list)
     shared: tuple[torch.Tensor, int] | None = None
     """The tensor the worker reduces instead of a copy, and its version at the hand-over."""
+    changed: Callable[[], None] | None = None
+    """Called by ``let_go`` when the shared tensor changed (its values are then dropped)."""
 
     def then(self, finish: Callable[[Measurement], None]) -> None:
         """Call ``finish(self)`` once complete: now, or in the ``settle`` that completes it.
@@ -115,6 +117,8 @@ class Measurement:
             self.n_finite, self.histogram = None, None
             self.results.clear()
             self.errors.clear()  # a reducer that choked on entries changing under it did not fail
+            if self.changed is not None:
+                self.changed()
 
 
 def shareable(tensor: torch.Tensor) -> bool:
@@ -186,10 +190,10 @@ class Measurer:
         The lists of shared tensors of threads that have none left are dropped.
         """
         self._index_cache = {}
-        self._shared = {
+        self._shared = {  # list(): taken whole, while another thread's hook may add to them
             thread: pending
-            for thread, pending in self._shared.items()
-            if any(measurement.shared is not None for measurement in pending)
+            for thread, pending in list(self._shared.items())
+            if any(measurement.shared is not None for measurement in list(pending))
         }
 
     def wait(self) -> None:
@@ -215,6 +219,7 @@ class Measurer:
         with_histogram: bool,
         scale: float | torch.Tensor | None = None,
         shared: bool = False,
+        changed: Callable[[], None] | None = None,
     ) -> Measurement:
         """Reduce ``tensor`` (divided by ``scale`` when given, on the tensor's device).
 
@@ -231,8 +236,9 @@ class Measurer:
         once it is done, at the next ``measure`` of the same thread or when the measurement
         settles: if an in-place op changed it by then (a custom ``backward`` that scales its
         ``grad_output`` in place), its values are dropped with the reason
-        ``modified_in_place`` instead of mixing old and new entries. Only a tensor whose
-        changes would show in its version is shared (``shareable``).
+        ``modified_in_place`` instead of mixing old and new entries, and ``changed()`` is
+        called, on the thread that checked. Only a tensor whose changes would show in its
+        version is shared (``shareable``).
         """
         self._let_go()
         shared = shared and shareable(tensor)
@@ -243,7 +249,7 @@ class Measurer:
             return Measurement(reducer_error_reason(error), self.metrics, errors=[error])
         if isinstance(plain, UnavailableReason):
             return Measurement(reason=plain, metrics=self.metrics)
-        measurement = Measurement(None, self.metrics)
+        measurement = Measurement(None, self.metrics, changed=changed)
         if not self._in_background(plain, scale):
             if plain.device.type == "cpu":
                 self._worker.wait()  # its draws come first: the same values as all inline

@@ -23,10 +23,15 @@ from torchinstruments_core._failures import REDUCER_CONSEQUENCE
 from torchinstruments_core._measure import shareable
 from torchinstruments_core._nested import iter_tensors
 from torchinstruments_core._profile import CallProfile, CallProfiler, call_device
-from torchinstruments_core._records import Signal, UnavailableReason
+from torchinstruments_core._records import Signal
 from torchinstruments_core._sample import Sample, Site
 from torchinstruments_core._signals import fixed_root
-from torchinstruments_core._torch_private import current_graph_task_id, queue_callback, version
+from torchinstruments_core._torch_private import (
+    current_graph_task_id,
+    queue_callback,
+    version,
+    view_base,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -289,13 +294,16 @@ class OutputProbe:
         The model often changes an output in place once its hook has returned (an in-place
         ReLU after a convolution). The first time, the output is copied and its version noted;
         if the sample's forward ends with the version unchanged (``end_forward``), later
-        samples hand the output over without a copy (``shared``), and a change then still
-        drops that sample's values instead of mixing them (``modified_in_place``).
+        samples hand the output over without a copy (``shared``), and a change through torch's
+        in-place ops then still drops that sample's values instead of mixing them
+        (``modified_in_place``). Only what autograd computed is ever shared, or a view of it:
+        not a view of an input (a numpy array a loop refills), a buffer or a parameter.
         """
-        shared = site in self._unchanged
+        computed = _computed(tensor)
+        shared = computed and site in self._unchanged
         measurement = self._measure_shared(tensor, site, histogram, None, shared=shared)
-        learn = not shared and site not in self._changed and measurement.worker is not None
-        if learn and shareable(tensor):
+        learn = computed and not shared and site not in self._changed
+        if learn and measurement.worker is not None and shareable(tensor):
             sample.unverified.append((site, weakref.ref(tensor), version(tensor)))
         return measurement
 
@@ -331,17 +339,22 @@ class OutputProbe:
         *,
         shared: bool,
     ) -> Measurement:
-        measurement = measure_site(
-            self._measurer, self._failures, tensor, site, histogram, scale, shared=shared
+        changed = functools.partial(self._note_change, site) if shared else None
+        return measure_site(
+            self._measurer,
+            self._failures,
+            tensor,
+            site,
+            histogram,
+            scale,
+            shared=shared,
+            changed=changed,
         )
-        if shared:
-            measurement.then(functools.partial(self._note_change, site))
-        return measurement
 
-    def _note_change(self, site: Site, measurement: Measurement) -> None:
-        if measurement.reason == UnavailableReason.MODIFIED_IN_PLACE:
-            self._changed.add(site)
-            self._unchanged.discard(site)
+    def _note_change(self, site: Site) -> None:
+        """A shared tensor of ``site`` changed in place: copy it from the next sample on."""
+        self._changed.add(site)
+        self._unchanged.discard(site)
 
 
 def measure_site(
@@ -353,12 +366,16 @@ def measure_site(
     scale: float | torch.Tensor | None = None,
     *,
     shared: bool = False,
+    changed: Callable[[], None] | None = None,
 ) -> Measurement:
     """Reduce ``tensor`` on its device, reporting each failing reducer with where it failed.
 
-    ``shared``: nothing changes ``tensor`` in place after the hook (``Measurer.measure``).
+    ``shared``: nothing changes ``tensor`` in place after the hook; ``changed``: called if
+    something did (``Measurer.measure``).
     """
-    measurement = measurer.measure(tensor, with_histogram=histogram, scale=scale, shared=shared)
+    measurement = measurer.measure(
+        tensor, with_histogram=histogram, scale=scale, shared=shared, changed=changed
+    )
     measurement.then(functools.partial(_report_errors, failures, site))
     return measurement
 
@@ -378,3 +395,14 @@ def _sentinel(sample: Sample, tensor: torch.Tensor) -> object:
     sample open once autograd frees the graph (see ``GradientSlot.sentinel``).
     """
     return sample.sentinel if tensor.grad_fn is not None else None
+
+
+def _computed(tensor: torch.Tensor) -> bool:
+    """Whether autograd computed ``tensor`` or what it is a view of (see ``_measure_output``).
+
+    Such memory is written only through torch's ops; an input, a buffer or a numpy array may
+    be written around them (a loop refilling its observation buffer, ``F.batch_norm``
+    updating its running statistics), where the version does not move.
+    """
+    base = view_base(tensor)
+    return tensor.grad_fn is not None and (base is None or base.grad_fn is not None)

@@ -10,6 +10,9 @@ fails loudly instead of silently mis-correlating gradients or mis-measuring memo
 - ``version``: how many in-place torch ops a tensor, its views and its detached aliases have
   seen. The reduction worker reads a gradient (or an output) without copying it and
   afterwards checks that this count has not moved.
+- ``view_base``: the tensor a view was taken of. An output is read without a copy only if
+  autograd made it, or made what it is a view of: not a view of a numpy array, an input
+  buffer or a module's buffer, which can change without moving the version.
 - ``memory_events``: every allocation and free a profiler saw, in time order. The public
   ``FunctionEvent`` list folds allocations into the ops that made them and drops the time of
   each free, so peak tensor memory on the CPU, which has no allocator statistics, needs the raw
@@ -47,15 +50,24 @@ def in_backward() -> bool:
 
 
 def version(tensor: torch.Tensor) -> int:
-    """The version counter of ``tensor``: every in-place torch op on it, a view of it or a
-    detached alias adds one (under ``inference_mode`` too, for a tensor made outside it).
+    """The version counter of ``tensor``: in-place torch ops on it and its aliases add one each.
+
+    That is on it, a view of it or a detached alias, under ``inference_mode`` too for a tensor
+    made outside it.
 
     Writes that bypass those ops do not count: through ``tensor.data`` (an alias with a counter
     of its own), ``untyped_storage()``, a numpy view, a collective (``all_reduce`` writes into
-    its tensor), or a ``DTensor``'s ops as seen from its local tensor. An inference tensor has
-    no counter: this raises ``RuntimeError`` for one.
+    its tensor), a ``DTensor``'s ops as seen from its local tensor, and an op's writes into an
+    argument other than its output (``F.batch_norm`` updating ``running_mean``). An inference
+    tensor has no counter: this raises ``RuntimeError`` for one.
     """
     return int(tensor._version)
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor that ``tensor`` is a view of (through every view in between); ``None``."""
+    base: torch.Tensor | None = tensor._base
+    return base
 
 
 def memory_events(profiler: profile) -> list[tuple[int, int]]:
