@@ -825,19 +825,30 @@ class _Halving(nn.Module):
         return _HalveInPlace.apply(x)
 
 
-def _halving_records(background_reductions: bool) -> RecordingSink:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), _Halving(), nn.Linear(32, 2))
+def _observed(
+    model: nn.Module, background_reductions: bool, run: Callable[[Observer], None]
+) -> RecordingSink:
+    """What ``run(observer)`` records of ``model``, every step sampled."""
     sink = RecordingSink()
     with inject_observer(
         model, sampler=AlwaysSampler(), sink=sink, background_reductions=background_reductions
     ) as observer:
+        run(observer)
+    return sink
+
+
+def _halving_records(background_reductions: bool) -> RecordingSink:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), _Halving(), nn.Linear(32, 2))
+
+    def run(observer: Observer) -> None:
         for step in range(3):
             observer.begin_step(step, sample=True)
             inputs = torch.randn(64, 8, generator=torch.Generator().manual_seed(step))
             model(inputs).square().mean().backward()
             observer.end_step()
-    return sink
+
+    return _observed(model, background_reductions, run)
 
 
 def test_a_gradient_changed_in_place_is_dropped_once_then_copied() -> None:
@@ -867,10 +878,11 @@ def test_shared_gradients_are_let_go_once_reduced() -> None:
     try:
         gradient = torch.randn(1000)
         first = measurer.measure(gradient, with_histogram=False, shared=True)
-        assert first.shared is not None
+        held = [first.shared is not None]
         measurer.wait()
         measurer.measure(torch.randn(10), with_histogram=False)  # the next hook
-        assert first.shared is None
+        held.append(first.shared is not None)
+        assert held == [True, False]
         assert first.reason is None
         assert first.settle() is None
         assert first.results[0].values is not None
@@ -950,17 +962,16 @@ def test_outputs_are_shared_once_a_forward_left_them_unchanged(monkeypatch: Any)
 def _changed_after_forward(background_reductions: bool) -> RecordingSink:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
-    sink = RecordingSink()
-    with inject_observer(
-        model, sampler=AlwaysSampler(), sink=sink, background_reductions=background_reductions
-    ) as observer:
+
+    def run(observer: Observer) -> None:
         for step in range(3):
             observer.begin_step(step, sample=True)
             output = model(torch.randn(64, 8, generator=torch.Generator().manual_seed(step)))
             output.add_(1)  # after the forward: the last Linear's output changes in place
             output.square().mean().backward()
             observer.end_step()
-    return sink
+
+    return _observed(model, background_reductions, run)
 
 
 def test_an_output_changed_after_the_forward_is_dropped_once_then_copied() -> None:
@@ -993,16 +1004,16 @@ def test_an_inference_mode_forward_is_reduced_from_copies() -> None:
     """Inference tensors have no version to check: every sample copies them, same values."""
 
     def records(background_reductions: bool) -> RecordingSink:
-        model, sink = _model(), RecordingSink()
-        with inject_observer(
-            model, sampler=AlwaysSampler(), sink=sink, background_reductions=background_reductions
-        ) as observer:
+        model = _model()
+
+        def run(observer: Observer) -> None:
             for step in range(2):
                 observer.begin_step(step, sample=True)
                 with torch.inference_mode():
                     model(torch.randn(256, 64, generator=torch.Generator().manual_seed(step)))
                 observer.end_step()
-        return sink
+
+        return _observed(model, background_reductions, run)
 
     worker, inline = records(True), records(False)
     assert [s.rows for s in worker.samples] == [s.rows for s in inline.samples]
@@ -1089,10 +1100,8 @@ def _rollout_records(background_reductions: bool, monkeypatch: Any) -> Recording
     torch.manual_seed(0)
     policy = nn.Sequential(nn.Flatten(), nn.Linear(12, 4))
     observations = torch.zeros(2, 3, 4).numpy()
-    sink = RecordingSink()
-    with inject_observer(
-        policy, sampler=AlwaysSampler(), sink=sink, background_reductions=background_reductions
-    ) as observer:
+
+    def run(observer: Observer) -> None:
         for update in range(2):
             observer.begin_step(update, sample=True)
             losses = []
@@ -1101,7 +1110,8 @@ def _rollout_records(background_reductions: bool, monkeypatch: Any) -> Recording
                 losses.append(policy(torch.from_numpy(observations)).square().mean())
             torch.stack(losses).sum().backward()
             observer.end_step()
-    return sink
+
+    return _observed(policy, background_reductions, run)
 
 
 def test_views_of_what_autograd_did_not_compute_are_always_copied(monkeypatch: Any) -> None:
@@ -1128,7 +1138,9 @@ def test_only_what_autograd_computed_is_read_without_a_copy() -> None:
     assert not _computed(leaf.view(-1))
     assert not _computed(activation)  # a leaf: nothing computed it
     assert not _computed(weight.view(-1))
-    assert not _computed(nn.BatchNorm1d(3).running_mean)
+    running_mean = nn.BatchNorm1d(3).running_mean
+    assert running_mean is not None
+    assert not _computed(running_mean)
     with torch.no_grad():
         assert not _computed(weight * 2)
 
@@ -1143,10 +1155,8 @@ def test_a_change_found_at_a_hook_makes_the_next_open_sample_copy() -> None:
     def records(background_reductions: bool) -> RecordingSink:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
-        sink = RecordingSink()
-        with inject_observer(
-            model, sampler=AlwaysSampler(), sink=sink, background_reductions=background_reductions
-        ) as observer:
+
+        def run(observer: Observer) -> None:
             observer.begin_step(0, sample=True)
             losses = []
             for forward in range(4):
@@ -1156,7 +1166,8 @@ def test_a_change_found_at_a_hook_makes_the_next_open_sample_copy() -> None:
                 observer._config.measurer.wait()  # the worker is done before the next forward
             torch.stack(losses).sum().backward()
             observer.end_step()
-        return sink
+
+        return _observed(model, background_reductions, run)
 
     worker, inline = records(True), records(False)
     by_forward = [sorted(sink.samples, key=lambda s: s.sample_id) for sink in (worker, inline)]
