@@ -1178,3 +1178,91 @@ def test_a_change_found_at_a_hook_makes_the_next_open_sample_copy() -> None:
     assert reasons == [{None}, {"modified_in_place"}, {None}, {None}]
     for index in (0, 2, 3):
         assert by_forward[0][index].rows == by_forward[1][index].rows
+
+
+class _BasicBlock(nn.Module):
+    """torchvision's ResNet ``BasicBlock``: in-place ReLUs and ``out += identity``."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+def _resnet_like() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(inplace=True),
+        _BasicBlock(16),
+        _BasicBlock(16),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
+    images = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    return model, lambda: model(images).logsumexp(1).mean()
+
+
+def _gpt2() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, eos_token_id=0
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    return model, lambda: model(input_ids=tokens, labels=tokens).loss
+
+
+@pytest.mark.parametrize("build", [_resnet_like, _gpt2], ids=["resnet-block", "hf-gpt2"])
+def test_models_of_others_give_the_same_values_with_tensors_read_in_place(
+    build: Callable[[], tuple[nn.Module, Callable[[], torch.Tensor]]], monkeypatch: Any
+) -> None:
+    """A ResNet's in-place patterns and Hugging Face's GPT-2: worker and hooks agree, no drop.
+
+    From the second sample on the worker reads gradients and the outputs the first forward
+    left unchanged where they lie; the others (under an in-place ReLU, ``out +=``) stay copied.
+    """
+
+    def records(background_reductions: bool) -> RecordingSink:
+        torch.manual_seed(0)
+        model, loss = build()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def run(observer: Observer) -> None:
+            for step in range(3):
+                observer.begin_step(step, sample=True)
+                loss().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                observer.end_step()
+
+        return _observed(model, background_reductions, run)
+
+    shared: list[bool] = []
+    job = Measurer._job
+
+    def watched(
+        self: Measurer, plain: torch.Tensor, measurement: Any, *args: Any, **kw: Any
+    ) -> Any:
+        made = job(self, plain, measurement, *args, **kw)
+        shared.append(measurement.shared is not None)
+        return made
+
+    monkeypatch.setattr(Measurer, "_job", watched)
+    worker, inline = records(True), records(False)
+    assert any(shared)  # gradients, and outputs after the first sample, read in place
+    assert not all(shared)  # the first sample's outputs, and those changed in place, copied
+    assert [s.rows for s in worker.samples] == [s.rows for s in inline.samples]
+    assert [s.histograms for s in worker.samples] == [s.histograms for s in inline.samples]
+    assert {r.unavailable_reason for r in worker.rows} == {None}

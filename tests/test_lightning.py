@@ -18,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lightning_helpers import Regressor, loader, telemetry_dir, trainer
 from torchinstruments_core import ConfigurationError
 from torchinstruments_core._background import ReductionWorker
+from torchinstruments_core._measure import Measurer
 from torchinstruments_lightning import TelemetryMonitor
 
 SAMPLED = [0, 3, 6, 9]
@@ -368,6 +369,15 @@ def test_the_reduction_worker_gives_lightning_the_same_values(
         return submit(self, nbytes, make)
 
     monkeypatch.setattr(ReductionWorker, "submit", counted)
+    shared: list[bool] = []  # per tensor handed over: read where it lies, not copied
+    job = Measurer._job
+
+    def watched_job(self: Measurer, plain: Any, measurement: Any, *args: Any, **kwargs: Any) -> Any:
+        made = job(self, plain, measurement, *args, **kwargs)
+        shared.append(measurement.shared is not None)
+        return made
+
+    monkeypatch.setattr(Measurer, "_job", watched_job)
     found = {}
     for background in (False, True):
         root = tmp_path / str(background)
@@ -385,6 +395,8 @@ def test_the_reduction_worker_gives_lightning_the_same_values(
             history.select(["step", "layer", "signal", "tensor_path", "metric", "value"]),
             [(e.step, e.value) for e in scalars.Scalars(tag)],
         )
+    assert any(shared)  # gradients, and outputs after the first sample
+    assert not all(shared)  # the first sample's outputs are copied
     assert found[True][0].height > 0
     assert found[True][0].equals(found[False][0])
     assert found[True][1] == found[False][1]

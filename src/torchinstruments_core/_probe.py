@@ -324,8 +324,8 @@ class OutputProbe:
         """A gradient autograd handed to a hook: it only reads it, so no copy (``shared``).
 
         Code of the model's may still change it in place (a custom ``backward`` scaling its
-        ``grad_output``): its values are then unavailable once (``modified_in_place``), and
-        its gradient is copied in every later sample.
+        ``grad_output``): the sample that read it then has no values for it
+        (``modified_in_place``), and from that check on its gradient is copied.
         """
         shared = site not in self._changed
         return self._measure_shared(grad, site, histogram, sample.gradient_scale, shared=shared)
