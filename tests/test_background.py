@@ -1266,3 +1266,87 @@ def test_models_of_others_give_the_same_values_with_tensors_read_in_place(
     assert [s.rows for s in worker.samples] == [s.rows for s in inline.samples]
     assert [s.histograms for s in worker.samples] == [s.histograms for s in inline.samples]
     assert {r.unavailable_reason for r in worker.rows} == {None}
+
+
+def _ran_within(seconds: float, done: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if done():
+            return True
+        time.sleep(0.005)
+    return done()
+
+
+def test_small_jobs_wait_for_a_kick_or_a_waiter_and_large_ones_wake_the_worker() -> None:
+    """Below ``wake_bytes`` queued, an idle worker sleeps on; ``kick`` and ``wait`` wake it."""
+    worker = ReductionWorker(wake_bytes=1000)
+    ran: list[str] = []
+
+    def job(name: str) -> Any:
+        return (lambda: ran.append(name)), None
+
+    worker.submit(16, functools.partial(job, "first"))  # starts the thread, which runs it
+    worker.wait()
+    ticket = worker.submit(16, functools.partial(job, "small"))
+    assert not _ran_within(0.2, lambda: worker.done(ticket))  # 16 of 1000 bytes: no wake
+    worker.kick()
+    assert _ran_within(5, lambda: worker.done(ticket))
+    worker.submit(16, functools.partial(job, "asleep"))
+    worker.wait()  # wakes the worker for it instead of waiting forever
+    assert ran == ["first", "small", "asleep"]
+    ticket = worker.submit(1000, functools.partial(job, "large"))  # reaches wake_bytes
+    assert _ran_within(5, lambda: worker.done(ticket))
+    small = [worker.submit(400, functools.partial(job, f"part {n}")) for n in range(3)]
+    assert _ran_within(5, lambda: worker.done(small[-1]))  # together they pass wake_bytes
+    worker.close()
+
+
+def test_a_hook_waiting_for_room_wakes_the_worker_for_the_jobs_that_hold_it() -> None:
+    """The room a hook waits for is held by jobs too small to wake the worker: no deadlock."""
+    worker = ReductionWorker(floor=0, wake_bytes=10**9)
+    worker.submit(100, lambda: ((lambda: None), None))
+    worker.wait()
+    worker.submit(100, lambda: ((lambda: None), None))  # holds the whole budget, asleep
+    submitted = threading.Event()
+
+    def hook() -> None:
+        worker.submit(100, lambda: ((lambda: None), None))  # waits for the room
+        submitted.set()
+
+    thread = threading.Thread(target=hook, daemon=True)
+    thread.start()
+    assert submitted.wait(5), "the hook waited for room the sleeping worker never gave back"
+    worker.wait()
+    worker.close()
+
+
+def test_the_end_of_a_sampled_forward_starts_the_worker_on_its_outputs() -> None:
+    """Outputs too small to wake the worker are reduced during the backward, not after it."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    observer = inject_observer(model, sink=RecordingSink(), background_reductions=True)
+    worker = observer._config.measurer._worker
+    for step in range(2):  # the first starts the thread, which then runs what it finds queued
+        observer.begin_step(step, sample=True)
+        before = worker._submitted
+        loss = model(torch.randn(4, 8)).sum()
+        assert worker._submitted == before + 3  # three outputs, 128 bytes each: no wake
+        assert _ran_within(5, lambda: worker.done(worker._submitted))  # kicked as it ended
+        loss.backward()
+        observer.end_step()
+    observer.remove()
+
+
+def test_gradient_hooks_share_one_eager_wrapper_made_once_per_observer() -> None:
+    """Wrapping the hook for ``torch.compile`` per output cost every output ~10 us a sample."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    seen: list[object] = []
+    with inject_observer(model, sink=RecordingSink()) as observer:
+        for step in range(2):
+            observer.begin_step(step, sample=True)
+            output = model(torch.randn(4, 8))
+            seen.extend(hook._on_gradient for hook in output._backward_hooks.values())
+            output.sum().backward()
+            observer.end_step()
+    assert len(seen) == 2
+    assert seen[0] is seen[1]
+    assert getattr(seen[0], "_torchdynamo_disable", False)  # still kept out of compiled graphs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import math
 import pathlib
 import threading
 from dataclasses import dataclass, field
@@ -202,3 +203,24 @@ def _imported_modules(path: pathlib.Path) -> set[str]:
 def test_no_part_imports_the_observer(part: str) -> None:
     """No part of the observer, the registry included, imports it back, even for type checks."""
     assert "torchinstruments_core._observer" not in _imported_modules(CORE / f"{part}.py")
+
+
+def test_cpu_values_reach_the_host_as_their_float64_values_in_order() -> None:
+    """On the CPU each tensor is read as it is: the floats a float64 copy gives, in order."""
+    from torchinstruments_core._transfer import HostTransfer
+
+    tensors = [
+        torch.tensor([1 / 3, -2.5e-8, float("inf")], dtype=torch.float32),
+        torch.tensor(12_345_678_901, dtype=torch.int64).reshape(1),
+        torch.tensor([[0.1, float("nan")]], dtype=torch.float64),
+        torch.tensor([3.0], dtype=torch.bfloat16),
+    ]
+    transfer = HostTransfer(tensors)
+    assert transfer.ready()
+    values = transfer.wait()
+    expected = [t.reshape(-1).to(torch.float64).tolist() for t in tensors]
+    assert len(values) == len(expected)
+    for got, want in zip(values, expected, strict=True):
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert a == b or (math.isnan(a) and math.isnan(b))

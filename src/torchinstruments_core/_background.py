@@ -58,6 +58,12 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+WAKE_BYTES = 2**20
+"""Bytes of queued, not yet started jobs that wake an idle worker (1 MiB): waking it costs the
+hook about 0.1 ms (the worker takes the GIL from the training thread and gives it back), more
+than reducing a small tensor; a sample's small tensors wait for each other instead, and for
+``kick`` (the end of a sample's forward) or for anyone who waits for them."""
+
 BUDGET_FLOOR = 8 * 2**20
 """Bytes the copies waiting for the worker may always hold (8 MiB), however small the largest:
 on the small workloads of ``benchmarks/`` a budget of one tensor made hooks wait during the
@@ -76,12 +82,14 @@ class ReductionWorker:
             at the largest copy).
     """
 
-    def __init__(self, floor: int | None = None) -> None:
+    def __init__(self, floor: int | None = None, wake_bytes: int = WAKE_BYTES) -> None:
         self._condition = threading.Condition()
         self._jobs: collections.deque[tuple[Callable[[], None], int, torch.Tensor | None]] = (
             collections.deque()
         )
         self._held = 0  # bytes reserved by jobs not yet finished
+        self._queued = 0  # bytes of the jobs not yet started
+        self._wake_bytes = wake_bytes
         self._floor = BUDGET_FLOOR if floor is None else floor
         self._budget = self._floor  # the largest reservation so far, or the floor if more
         self._spares: collections.deque[torch.Tensor] = collections.deque()  # oldest first
@@ -133,6 +141,7 @@ class ReductionWorker:
         with self._condition:
             self._budget = max(self._budget, nbytes)
             while self._held and self._held + nbytes > self._budget:
+                self._condition.notify_all()  # the jobs holding the room may not have started
                 self._condition.wait()
             self._held += nbytes
         try:
@@ -145,7 +154,9 @@ class ReductionWorker:
             if not self._closed and self._running():
                 self._jobs.append((job, nbytes, buffer))
                 self._submitted += 1
-                self._condition.notify_all()
+                self._queued += nbytes
+                if self._queued >= self._wake_bytes:
+                    self._condition.notify_all()
                 return self._submitted
         # closed meanwhile (removal from another thread), or no thread could start: run it here
         try:
@@ -166,7 +177,15 @@ class ReductionWorker:
         with self._condition:
             goal = self._submitted if ticket is None else ticket
             while self._finished < goal:
+                self._condition.notify_all()  # the worker may sleep on jobs too small to wake it
                 self._condition.wait()
+
+    def kick(self) -> None:
+        """Wake the worker for the jobs queued so far, however small (a sample's forward ended)."""
+        if os.getpid() != self._pid or not self._jobs:
+            return
+        with self._condition:
+            self._condition.notify_all()
 
     def done(self, ticket: int | None) -> bool:
         """Whether the job with ``ticket`` has run (a job without one ran when submitted)."""
@@ -212,6 +231,7 @@ class ReductionWorker:
                 if not self._jobs:
                     return
                 job, nbytes, buffer = self._jobs.popleft()
+                self._queued -= nbytes
             try:
                 job()
             except BaseException:  # jobs record their own errors; a stray one must not stop us

@@ -31,7 +31,11 @@ def _same(function: Callable[..., None]) -> Callable[..., None]:
 
 
 class GradientSlot:
-    """The tensor hook on one observed output: hands its gradient to the observer's sample."""
+    """The tensor hook on one observed output: hands its gradient to the observer's sample.
+
+    ``on_gradient`` is called as it is: its owner makes it ``run_eagerly`` once (wrapping it
+    for each hook cost every observed output about 10 µs a sample).
+    """
 
     __slots__ = ("_on_gradient", "boundary", "histogram", "nested", "sample", "sentinel", "site")
 
@@ -43,7 +47,7 @@ class GradientSlot:
         histogram: bool,
         sentinel: object,
     ) -> None:
-        self._on_gradient = run_eagerly(on_gradient)
+        self._on_gradient = on_gradient
         self.sample = sample
         self.site = site  # None: the hook only marks that the sample's backward started
         self.histogram = histogram

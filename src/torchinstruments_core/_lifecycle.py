@@ -241,6 +241,7 @@ class SampleLifecycle:
         if sample is None:
             return
         self._probe.end_forward(sample)
+        self._measurer.kick()
         keep = sample.expects_gradients and not failed
         with self._lock:
             self._running.pop(sample.sample_id, None)

@@ -200,6 +200,10 @@ class Measurer:
         """Block until the reduction worker has reduced every tensor handed to it."""
         self._worker.wait()
 
+    def kick(self) -> None:
+        """Start the reduction worker on what it holds: a sample's forward has ended."""
+        self._worker.kick()
+
     def on_worker_thread(self) -> bool:
         """Whether the caller is the reduction worker (garbage collection can run there)."""
         return self._worker.on_thread()

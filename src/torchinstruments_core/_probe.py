@@ -20,6 +20,7 @@ from torch import is_grad_enabled
 
 from torchinstruments_core._capture import GradientSlot, gradient_signal_site
 from torchinstruments_core._failures import REDUCER_CONSEQUENCE
+from torchinstruments_core._hooks import run_eagerly
 from torchinstruments_core._measure import shareable
 from torchinstruments_core._nested import iter_tensors
 from torchinstruments_core._profile import CallProfile, CallProfiler, call_device
@@ -66,6 +67,7 @@ class OutputProbe:
     __slots__ = (
         "_changed",
         "_close",
+        "_eager_gradient",
         "_failures",
         "_measurer",
         "_profiler",
@@ -90,6 +92,7 @@ class OutputProbe:
         self._waiting = waiting
         self.record_inputs = record_inputs
         self._profiler = profiler
+        self._eager_gradient = run_eagerly(self._on_gradient)  # what every GradientSlot calls
         # what the reduction worker reads without a copy (``Measurer.measure``'s ``shared``)
         self._changed: set[Site] = set()  # changed in place after their hook: always copied
         self._unchanged: set[Site] = set()  # outputs a whole forward left as they were: shared
@@ -162,7 +165,7 @@ class OutputProbe:
         """
         for _, tensor in iter_tensors(output, _OUTPUT_ROOT):
             if tensor.requires_grad:
-                slot = GradientSlot(self._on_gradient, sample, None, False, sample.sentinel)
+                slot = GradientSlot(self._eager_gradient, sample, None, False, sample.sentinel)
                 sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
 
     def observe_recomputed_inputs(self, layer: Layer, args: Any, kwargs: Any) -> None:
@@ -197,7 +200,7 @@ class OutputProbe:
             site = gradient_signal_site(Site(layer.name, call_index, signal, path))
             if tensor.requires_grad and sample.recompute.take(site):
                 # its gradient arrives in the checkpoint's own, nested backward
-                slot = GradientSlot(self._on_gradient, sample, site, layer.histogram, None)
+                slot = GradientSlot(self._eager_gradient, sample, site, layer.histogram, None)
                 slot.nested = True
                 sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
 
@@ -218,7 +221,7 @@ class OutputProbe:
             return
         gradient_site = gradient_signal_site(site)
         slot = GradientSlot(
-            self._on_gradient, sample, gradient_site, histogram, _sentinel(sample, tensor)
+            self._eager_gradient, sample, gradient_site, histogram, _sentinel(sample, tensor)
         )
         sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
         sample.expect_gradient(gradient_site, self._measurer.metrics)
@@ -233,7 +236,7 @@ class OutputProbe:
         found = sample.boundaries.get(id(tensor))
         if found is not None and found[0]() is tensor:
             return found[1].boundary
-        slot = GradientSlot(self._on_gradient, sample, None, False, _sentinel(sample, tensor))
+        slot = GradientSlot(self._eager_gradient, sample, None, False, _sentinel(sample, tensor))
         sample.handles.append(tensor.register_hook(slot))  # type: ignore[no-untyped-call]
         sample.boundaries[id(tensor)] = (weakref.ref(tensor), slot)
         return slot.boundary

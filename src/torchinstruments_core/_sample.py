@@ -228,27 +228,27 @@ def _row(site: Site, metric: str, value: float | None, reason: str | None) -> St
     )
 
 
-def _rows(site: Site, measurement: Measurement, host: Iterator[list[float]]) -> Iterator[StatRow]:
+def _rows(site: Site, measurement: Measurement, host: Iterator[list[float]]) -> list[StatRow]:
+    """The rows of one measurement, its values read from ``host`` (a few hundred a sample)."""
+    where = (site.layer, site.call_index, site.signal, site.tensor_path)
     if measurement.reason is not None:
-        for metric in measurement.metrics:
-            yield _row(site, metric, None, measurement.reason)
-        return
+        return [StatRow(*where, metric, None, measurement.reason) for metric in measurement.metrics]
     n_finite = next(host)[0]
+    # a value that is not finite: none to take (no finite entries), or a statistic that overflowed
+    not_finite = (
+        UnavailableReason.NO_FINITE_VALUES if n_finite == 0 else UnavailableReason.NON_FINITE_RESULT
+    )
+    rows: list[StatRow] = []
     for result in measurement.results:
-        values = next(host) if result.values is not None else None
-        for position, metric in enumerate(result.metrics):
-            if values is None:
-                yield _row(site, metric, None, result.error)
+        if result.values is None:
+            rows.extend(StatRow(*where, metric, None, result.error) for metric in result.metrics)
+            continue
+        for metric, value in zip(result.metrics, next(host), strict=True):
+            if math.isfinite(value):
+                rows.append(StatRow(*where, metric, value, None))
             else:
-                yield _finite_row(site, metric, values[position], n_finite)
-
-
-def _finite_row(site: Site, metric: str, value: float, n_finite: float) -> StatRow:
-    if math.isfinite(value):
-        return _row(site, metric, value, None)
-    if n_finite == 0:
-        return _row(site, metric, None, UnavailableReason.NO_FINITE_VALUES)
-    return _row(site, metric, None, UnavailableReason.NON_FINITE_RESULT)
+                rows.append(StatRow(*where, metric, None, not_finite))
+    return rows
 
 
 def _histograms(packed: list[tuple[Site, list[float], Measurement]]) -> list[HistogramRecord]:
