@@ -1350,3 +1350,59 @@ def test_gradient_hooks_share_one_eager_wrapper_made_once_per_observer() -> None
     assert len(seen) == 2
     assert seen[0] is seen[1]
     assert getattr(seen[0], "_torchdynamo_disable", False)  # still kept out of compiled graphs
+
+
+def _copies_per_sample(monkeypatch: Any, model: nn.Module, steps: int) -> list[list[int]]:
+    """The sizes of the copies each sampled step made for the worker (its ``buffer`` calls)."""
+    copied: list[list[int]] = []
+    buffer = ReductionWorker.buffer
+
+    def watched(self: ReductionWorker, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        copied[-1].append(numel)
+        return buffer(self, numel, dtype)
+
+    monkeypatch.setattr(ReductionWorker, "buffer", watched)
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=RecordingSink(), background_reductions=True
+    ) as observer:
+        for step in range(steps):
+            copied.append([])
+            observer.begin_step(step, sample=True)
+            model(torch.randn(32, 16)).square().sum().backward()
+            observer.end_step()
+    return copied
+
+
+def test_an_output_the_model_frees_during_the_forward_is_learned_and_read_in_place(
+    monkeypatch: Any,
+) -> None:
+    """A Linear's output, freed once the (saving) Tanh has read it, stops being copied."""
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 8))
+    copied = _copies_per_sample(monkeypatch, model, 3)
+    assert sorted(copied[0]) == [32 * 8, 32 * 64, 32 * 64]  # each output once, to learn
+    assert copied[1] == copied[2] == []
+
+
+def test_outputs_past_the_bytes_a_sample_may_hold_are_learned_in_later_samples(
+    monkeypatch: Any,
+) -> None:
+    """Holding outputs until their forward ends is bounded; what did not fit is held later."""
+    from torchinstruments_core import _probe
+
+    held: list[int] = []
+    hold = _probe._hold
+
+    def watched(sample: Sample, tensor: torch.Tensor) -> Any:
+        made = hold(sample, tensor)
+        held.append(sample.held_bytes)
+        return made
+
+    monkeypatch.setattr(_probe, "_hold", watched)
+    monkeypatch.setattr(_probe, "LEARN_BYTES", 32 * 64 * 4)  # one hidden output in float32
+    # the first two outputs are freed during the forward; only one fits in the bytes held
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+    copied = _copies_per_sample(monkeypatch, model, 4)
+    assert max(held) <= 32 * 64 * 4
+    assert len(copied[0]) == 4
+    assert copied[1] == [32 * 64]  # the second output, not held and freed: copied, held now
+    assert copied[2] == copied[3] == []

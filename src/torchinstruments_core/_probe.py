@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from torchinstruments_core._layers import Layer
     from torchinstruments_core._measure import Measurement, Measurer
 
+LEARN_BYTES = 8 * 2**20
+"""Storage a sample may keep alive to learn which outputs its forward leaves unchanged (8 MiB)."""
+
 _OUTPUT_ROOT = fixed_root(Signal.OUTPUT)
 _INPUT_ROOT = fixed_root(Signal.INPUT)
 
@@ -295,11 +298,16 @@ class OutputProbe:
         """An output: copied for the worker until a forward shows nothing changes it after.
 
         The model often changes an output in place once its hook has returned (an in-place
-        ReLU after a convolution). The first time, the output is copied and its version noted;
-        if the sample's forward ends with the version unchanged (``end_forward``), later
+        ReLU after a convolution, ``out += identity``). The first time, the output is copied,
+        and it is held (a detached alias, which shares its version counter) until the forward
+        ends, with its version noted; if the version is unchanged then (``end_forward``), later
         samples hand the output over without a copy (``shared``), and a change through torch's
         in-place ops then still drops that sample's values instead of mixing them
-        (``modified_in_place``). Only what autograd computed is ever shared, or a view of it:
+        (``modified_in_place``). Holding keeps an output the model frees early (a BatchNorm's
+        output once the ReLU after it has read it) until the forward ends, so a sample holds at
+        most ``LEARN_BYTES`` of outputs (the storage each one keeps); past that an output is
+        only weakly referenced, and if it is freed before the forward ends it stays copied and
+        is held in a later sample. Only what autograd computed is ever shared, or a view of it:
         not a view of an input (a numpy array a loop refills), a buffer or a parameter.
         """
         computed = _computed(tensor)
@@ -307,19 +315,21 @@ class OutputProbe:
         measurement = self._measure_shared(tensor, site, histogram, None, shared=shared)
         learn = computed and not shared and site not in self._changed
         if learn and measurement.worker is not None and shareable(tensor):
-            sample.unverified.append((site, weakref.ref(tensor), version(tensor)))
+            sample.unverified.append((site, _hold(sample, tensor), version(tensor)))
         return measurement
 
     def end_forward(self, sample: Sample) -> None:
         """The sample's forward ended: its outputs not changed in place are shared from now on.
 
-        An output freed meanwhile teaches nothing (it stays copied for the time being).
+        An output that was not held and has been freed meanwhile teaches nothing (it stays
+        copied, and is held in a later sample). The held outputs are let go.
         """
-        for site, alive, seen in sample.unverified:
-            tensor = alive()
+        for site, held, seen in sample.unverified:
+            tensor = held() if isinstance(held, weakref.ref) else held
             if tensor is not None:
                 (self._unchanged if version(tensor) == seen else self._changed).add(site)
         sample.unverified.clear()
+        sample.held_bytes = 0
 
     def _measure_gradient(
         self, grad: torch.Tensor, site: Site, histogram: bool, sample: Sample
@@ -389,6 +399,15 @@ def _report_errors(failures: FailureReport, site: Site, measurement: Measurement
         where = f"{site.layer} call {site.call_index} {site.signal} {site.tensor_path}"
         key = f"reducer:{type(error).__name__}"
         failures.failed(f"a reducer failed on {where}", error, key, REDUCER_CONSEQUENCE)
+
+
+def _hold(sample: Sample, tensor: torch.Tensor) -> torch.Tensor | weakref.ref[torch.Tensor]:
+    """What keeps ``tensor`` till the forward ends: an alias in ``LEARN_BYTES``, else a weakref."""
+    nbytes = tensor.untyped_storage().nbytes()
+    if sample.held_bytes + nbytes > LEARN_BYTES:
+        return weakref.ref(tensor)
+    sample.held_bytes += nbytes
+    return tensor.detach()  # shares the version counter, not the graph
 
 
 def _sentinel(sample: Sample, tensor: torch.Tensor) -> object:

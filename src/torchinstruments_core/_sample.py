@@ -93,7 +93,10 @@ class Sample:
         # Held while the forward runs; afterwards only the gradient hooks hold it (see Observer).
         self.sentinel: object | None = None
         # outputs copied for the worker, with their version: did the forward change them after?
-        self.unverified: list[tuple[Site, weakref.ref[torch.Tensor], int]] = []
+        # Each is held (a detached alias, sharing its version) or, past the bytes allowed for
+        # holding (``OutputProbe``), only weakly referenced.
+        self.unverified: list[tuple[Site, torch.Tensor | weakref.ref[torch.Tensor], int]] = []
+        self.held_bytes = 0
 
     def next_call_index(self, layer: str) -> int:
         """The call index of the next call of ``layer`` within this sample."""
