@@ -6,6 +6,7 @@ threads leave a core free, which this 2-core machine's default of 2 threads does
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import inspect
@@ -196,7 +197,7 @@ def _copy_buffers(monkeypatch: Any, *, floor: int, steps: int) -> list[set[int]]
 
     monkeypatch.setattr(ReductionWorker, "buffer", watched)
     monkeypatch.setattr(background, "BUDGET_FLOOR", floor)
-    monkeypatch.setattr(OutputProbe, "end_forward", lambda _probe, sample: None)
+    monkeypatch.setattr(OutputProbe, "end_forward", lambda _probe, sample, **_: None)
     used.append(set())
     worker = _sampled_steps(steps, ended, backward=False)
     assert not worker._spares  # removal frees them
@@ -1406,3 +1407,98 @@ def test_outputs_past_the_bytes_a_sample_may_hold_are_learned_in_later_samples(
     assert len(copied[0]) == 4
     assert copied[1] == [32 * 64]  # the second output, not held and freed: copied, held now
     assert copied[2] == copied[3] == []
+
+
+def test_a_small_job_queued_while_a_hook_waits_for_room_wakes_the_worker() -> None:
+    """Room held by a job still being made: once it is queued, small as it is, it runs."""
+    worker = ReductionWorker(floor=0, wake_bytes=10**9)
+    worker.submit(100, lambda: ((lambda: None), None))  # starts the thread
+    worker.wait()
+    making, got_room = threading.Event(), threading.Event()
+    release = threading.Event()
+
+    def slow_copy() -> Any:
+        making.set()
+        release.wait(5)  # the hook of thread A still copying, its room reserved
+        return (lambda: None), None
+
+    a = threading.Thread(target=worker.submit, args=(100, slow_copy), daemon=True)
+    a.start()
+    assert making.wait(5)
+
+    def hook_b() -> None:
+        worker.submit(100, lambda: ((lambda: None), None))  # waits for A's room
+        got_room.set()
+
+    b = threading.Thread(target=hook_b, daemon=True)
+    b.start()
+    time.sleep(0.1)  # B is waiting now
+    release.set()  # A queues a job far below wake_bytes
+    assert got_room.wait(5), "the job B waited for slept on the worker"
+    worker.wait()
+    worker.close()
+
+
+def test_callers_waiting_together_do_not_wake_each_other_while_a_job_runs() -> None:
+    """Two threads in ``wait`` sleep until the job ends, instead of notifying each other."""
+    worker = ReductionWorker()
+    calls: collections.Counter[str] = collections.Counter()
+    wait = worker._condition.wait
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[threading.current_thread().name] += 1
+        return wait(*args, **kwargs)
+
+    worker._condition.wait = counted  # type: ignore[method-assign]
+    started = threading.Event()
+
+    def long_job() -> Any:
+        def run() -> None:
+            started.set()
+            time.sleep(0.5)
+
+        return run, None
+
+    worker.submit(2**21, long_job)
+    assert started.wait(5)
+    waiters = [threading.Thread(target=worker.wait, name=f"waiter {n}") for n in range(2)]
+    for thread in waiters:
+        thread.start()
+    for thread in waiters:
+        thread.join(5)
+    assert sum(calls.values()) <= 4  # one wait each, and a spurious wake at most
+    worker.close()
+
+
+class _FailsOnce(nn.Module):
+    """Raises after its Linear's hook the first time; later changes that output in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.fail = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.lin(x)
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("a bad batch")
+        hidden.relu_()
+        return hidden.sum()
+
+
+def test_a_forward_that_raised_teaches_nothing_about_its_outputs() -> None:
+    """The in-place change it did not reach is seen by the next forward, and nothing is dropped."""
+    torch.manual_seed(0)
+    model = _FailsOnce()
+    sink = RecordingSink()
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=sink, background_reductions=True
+    ) as observer:
+        with pytest.raises(RuntimeError, match="a bad batch"):
+            model(torch.randn(8, 16))
+        for _ in range(3):
+            model(torch.randn(8, 16)).backward()
+        observer.flush()
+    reasons = {r.unavailable_reason for r in sink.rows if (r.layer, r.signal) == ("lin", "output")}
+    assert reasons == {None}

@@ -214,6 +214,8 @@ def test_cpu_values_reach_the_host_as_their_float64_values_in_order() -> None:
         torch.tensor(12_345_678_901, dtype=torch.int64).reshape(1),
         torch.tensor([[0.1, float("nan")]], dtype=torch.float64),
         torch.tensor([3.0], dtype=torch.bfloat16),
+        torch.tensor([2**53 + 1, 5], dtype=torch.int64),  # a custom reducer's count
+        torch.tensor([True, False]),
     ]
     transfer = HostTransfer(tensors)
     assert transfer.ready()
@@ -223,4 +225,5 @@ def test_cpu_values_reach_the_host_as_their_float64_values_in_order() -> None:
     for got, want in zip(values, expected, strict=True):
         assert len(got) == len(want)
         for a, b in zip(got, want, strict=True):
+            assert type(a) is float  # as from a float64 copy: never an int or a bool
             assert a == b or (math.isnan(a) and math.isnan(b))

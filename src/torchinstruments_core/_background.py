@@ -83,7 +83,10 @@ class ReductionWorker:
     """
 
     def __init__(self, floor: int | None = None, wake_bytes: int = WAKE_BYTES) -> None:
-        self._condition = threading.Condition()
+        lock = threading.RLock()
+        self._condition = threading.Condition(lock)  # callers wait here: room, finished jobs
+        self._work = threading.Condition(lock)  # the worker waits here: jobs worth a wake
+        self._waiters = 0  # callers blocked until jobs run: every job wakes the worker then
         self._jobs: collections.deque[tuple[Callable[[], None], int, torch.Tensor | None]] = (
             collections.deque()
         )
@@ -141,8 +144,7 @@ class ReductionWorker:
         with self._condition:
             self._budget = max(self._budget, nbytes)
             while self._held and self._held + nbytes > self._budget:
-                self._condition.notify_all()  # the jobs holding the room may not have started
-                self._condition.wait()
+                self._wait_for_jobs()  # the jobs holding the room may not have started
             self._held += nbytes
         try:
             job, buffer = make()
@@ -155,8 +157,8 @@ class ReductionWorker:
                 self._jobs.append((job, nbytes, buffer))
                 self._submitted += 1
                 self._queued += nbytes
-                if self._queued >= self._wake_bytes:
-                    self._condition.notify_all()
+                if self._queued >= self._wake_bytes or self._waiters:
+                    self._work.notify()
                 return self._submitted
         # closed meanwhile (removal from another thread), or no thread could start: run it here
         try:
@@ -177,15 +179,23 @@ class ReductionWorker:
         with self._condition:
             goal = self._submitted if ticket is None else ticket
             while self._finished < goal:
-                self._condition.notify_all()  # the worker may sleep on jobs too small to wake it
-                self._condition.wait()
+                self._wait_for_jobs()  # the worker may sleep on jobs too small to wake it
 
     def kick(self) -> None:
         """Wake the worker for the jobs queued so far, however small (a sample's forward ended)."""
         if os.getpid() != self._pid or not self._jobs:
             return
         with self._condition:
-            self._condition.notify_all()
+            self._work.notify()
+
+    def _wait_for_jobs(self) -> None:
+        """Wake the worker and wait for a job to finish (lock held); jobs wake it meanwhile."""
+        self._waiters += 1
+        try:
+            self._work.notify()
+            self._condition.wait()
+        finally:
+            self._waiters -= 1
 
     def done(self, ticket: int | None) -> bool:
         """Whether the job with ``ticket`` has run (a job without one ran when submitted)."""
@@ -206,6 +216,7 @@ class ReductionWorker:
             self._spares.clear()
             self._spare_bytes = 0
             self._condition.notify_all()
+            self._work.notify()
             thread = self._thread
         if thread is not None and os.getpid() == self._pid:
             thread.join()
@@ -227,7 +238,7 @@ class ReductionWorker:
         while True:
             with self._condition:
                 while not self._jobs and not self._closed:
-                    self._condition.wait()
+                    self._work.wait()
                 if not self._jobs:
                     return
                 job, nbytes, buffer = self._jobs.popleft()

@@ -240,7 +240,7 @@ class SampleLifecycle:
         sample, local.active = local.active, None
         if sample is None:
             return
-        self._probe.end_forward(sample)
+        self._probe.end_forward(sample, failed=failed)
         self._measurer.kick()
         keep = sample.expects_gradients and not failed
         with self._lock:

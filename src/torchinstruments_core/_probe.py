@@ -318,13 +318,15 @@ class OutputProbe:
             sample.unverified.append((site, _hold(sample, tensor), version(tensor)))
         return measurement
 
-    def end_forward(self, sample: Sample) -> None:
+    def end_forward(self, sample: Sample, *, failed: bool = False) -> None:
         """The sample's forward ended: its outputs not changed in place are shared from now on.
 
         An output that was not held and has been freed meanwhile teaches nothing (it stays
-        copied, and is held in a later sample). The held outputs are let go.
+        copied, and is held in a later sample), and neither does a forward that raised (what
+        would have changed an output may not have run). The held outputs are let go.
         """
-        for site, held, seen in sample.unverified:
+        unverified = [] if failed else sample.unverified
+        for site, held, seen in unverified:
             tensor = held() if isinstance(held, weakref.ref) else held
             if tensor is not None:
                 (self._unchanged if version(tensor) == seen else self._changed).add(site)

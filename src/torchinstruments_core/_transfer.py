@@ -2,8 +2,9 @@
 
 On CUDA the copy goes into pinned memory without blocking and an event says when it has landed, so
 closing a sample never makes the training step wait for the device. Elsewhere the copy is
-synchronous; on the CPU there is none: each tensor's values are read as they are (``tolist``,
-the same floats as through a float64 copy), a few hundred small tensors a sample, where
+synchronous; on the CPU there is none: each floating tensor's values are read as they are
+(``tolist``, the same floats as through a float64 copy; other dtypes are converted to float64
+first), a few hundred small tensors a sample, where
 converting, concatenating and reading them back cost the training thread half a millisecond.
 """
 
@@ -58,7 +59,9 @@ class HostTransfer:
         """Block until the copies have landed; return each input tensor's values."""
         out: list[list[float]] = [[] for _ in self._sizes]
         for index, tensor in self._host:
-            out[index] = tensor.reshape(-1).tolist()
+            flat = tensor.reshape(-1)
+            # a float's tolist gives the float64 values; a count or a flag is converted first
+            out[index] = (flat if flat.is_floating_point() else flat.to(torch.float64)).tolist()
         for indices, host, event in self._groups:
             if event is not None:
                 event.synchronize()
