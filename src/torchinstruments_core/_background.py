@@ -76,10 +76,14 @@ class ReductionWorker:
     The budget is the largest reservation so far, or ``floor`` bytes if that is more.
     ``submit`` reserves the job's bytes (waiting for room), makes the job on the calling thread
     (that is where the copy is taken) and queues it; ``wait`` returns once every job has run.
+    An idle worker is woken once ``wake_bytes`` of jobs are queued, by ``kick``, or by any
+    caller that waits (for room or for jobs): while one waits, every new job wakes it too.
 
     Args:
         floor: The least budget, in bytes (``None``: ``BUDGET_FLOOR``; ``0`` keeps the budget
             at the largest copy).
+        wake_bytes: Bytes of queued, not yet started jobs that wake an idle worker
+            (``WAKE_BYTES``; ``0`` wakes it for every job).
     """
 
     def __init__(self, floor: int | None = None, wake_bytes: int = WAKE_BYTES) -> None:
