@@ -2,10 +2,10 @@
 
 On CUDA the copy goes into pinned memory without blocking and an event says when it has landed, so
 closing a sample never makes the training step wait for the device. Elsewhere the copy is
-synchronous; on the CPU there is none: each floating tensor's values are read as they are
-(``tolist``, the same floats as through a float64 copy; other dtypes are converted to float64
-first), a few hundred small tensors a sample, where
-converting, concatenating and reading them back cost the training thread half a millisecond.
+synchronous. On the CPU there is no copy: each floating tensor's values are read as they are
+(``tolist`` gives the floats a float64 copy would; other dtypes are converted to float64 first).
+A sample has a few hundred such small tensors, and converting, concatenating and reading them
+back cost the training thread half a millisecond.
 """
 
 from __future__ import annotations
