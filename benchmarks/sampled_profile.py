@@ -13,7 +13,9 @@ threads leave a core free: with the default ``--threads 1`` on two cores or more
 ``writer`` (the run directory's). Phases nest: ``measure`` (the hook's part) holds the
 hand-over to the worker (the copy, and any wait for room), or, without the worker, the
 reductions themselves; ``reduce: all reducers of a tensor`` holds the statistics pass and each
-reducer; ``deliver`` holds ``build`` (rows and histogram edges) and the hand-over to the sink.
+reducer; ``deliver`` holds ``build`` (rows and histogram edges) and the hand-over to the sink;
+``settle`` is the wait for the worker's last tensors when a sample closes (a trainer step's
+sample at ``end_step``).
 On the writer thread: turning samples into Parquet chunks, the TensorBoard histograms and the
 aggregates of ``result.json``.
 """
@@ -73,7 +75,8 @@ def _instrument() -> None:
     _timed(reducers.MomentsReducer, "reduce", "reduce: moments")
     _timed(reducers.QuantileReducer, "reduce", "reduce: quartiles (gather, select)")
     _timed(reducers.HistogramReducer, "reduce", "reduce: histogram (binning)")
-    _timed(_sample.Sample, "start_transfer", "transfer to host (waits for the worker)")
+    _timed(_sample.Sample, "settle", "settle (waits for the worker's last tensors)")
+    _timed(_sample.Sample, "start_transfer", "transfer to host")
     _timed(_delivery.DeliveryQueue, "_deliver", "deliver")
     _timed(_sample.Sample, "build", "deliver: build (rows, histogram edges)")
     _timed(_writer, "history_frame", "history chunk: frame")
