@@ -242,13 +242,10 @@ def test_a_failing_reducer_warns_on_the_training_thread(monkeypatch: Any) -> Non
     with _failing_observer(model, sink) as observer:
         observer.begin_step(0, sample=True)
         loss = model(torch.randn(2, 4)).sum()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loss.backward()
-            observer.end_step()  # the sample settles by now: the failure is told
-        told = [w for w in caught if issubclass(w.category, ObservationWarning)]
-        assert len(told) == 1  # one warning per cause
-        assert "reducer broke" in str(told[0].message)
+        with pytest.warns(ObservationWarning, match="reducer broke") as caught:
+            loss.backward()  # the sample closes, waits for the worker: the failure is told here
+        assert len(caught) == 1  # one warning per cause
+        observer.end_step()
     assert reported_in == [threading.main_thread()] * 2  # the output and its gradient
     rows = [r for r in sink.rows if r.metric == "boom"]
     assert rows
@@ -1507,72 +1504,10 @@ def test_a_forward_that_raised_teaches_nothing_about_its_outputs() -> None:
     assert reasons == {None}
 
 
-class _Gated:
-    """A reducer that holds the worker at its first tensor until ``gate`` is set."""
-
-    metrics = ("gated",)
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.started = threading.Event()
-
-    def reduce(self, prepared: Any) -> torch.Tensor:
-        if threading.current_thread() is not threading.main_thread():
-            self.started.set()
-            assert self.gate.wait(30), "the test never opened the gate"
-        return torch.zeros(1, dtype=prepared.values.dtype)
-
-
-def _gated_observer(model: nn.Module, sink: RecordingSink, gated: _Gated, *extra: Any) -> Observer:
-    return inject_observer(
-        model,
-        sampler=AlwaysSampler(),
-        sink=sink,
-        reducers=[*default_reducers(), gated, *extra],
-        background_reductions=True,
-    )
-
-
-def test_a_trainer_steps_backward_does_not_wait_for_the_worker_and_end_step_does() -> None:
-    """The worker's last reductions run after the backward, and end_step delivers the sample."""
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    sink, gated = RecordingSink(), _Gated()
-    safety = threading.Timer(10.0, gated.gate.set)  # a backward that waits fails, not hangs
-    safety.start()
-    try:
-        with _gated_observer(model, sink, gated) as observer:
-            observer.begin_step(0, sample=True)
-            model(torch.randn(2, 4)).sum().backward()
-            assert gated.started.wait(5)
-            assert not gated.gate.is_set(), "the backward waited for the worker"
-            assert sink.samples == []  # its values are still being reduced
-            gated.gate.set()
-            observer.end_step()
-            assert len(sink.samples) == 1  # delivered by end_step, as inline
-            assert sink.value("0", "output_gradient", "mean") is not None
-            assert sink.value("1", "output_gradient", "gated") == 0
-    finally:
-        safety.cancel()
-
-
-def test_without_a_trainer_step_a_sample_settles_at_the_end_of_its_backward() -> None:
-    """With no end_step to come, the end of the backward waits for the worker and delivers."""
-    model = _model()
-    sink = RecordingSink()
-    with inject_observer(
-        model, sampler=AlwaysSampler(), sink=sink, background_reductions=True
-    ) as observer:
-        model(torch.randn(8, 64)).sum().backward()
-        assert len(sink.samples) == 1
-        assert sink.value("2", "output_gradient", "mean") is not None
-        worker = observer._config.measurer._worker
-        assert worker._finished == worker._submitted
-
-
 class _Table(nn.Module):
     """Returns its parameter, or a view of it: autograd makes the gradient ``weight.grad``."""
 
-    def __init__(self, *, view: bool = False) -> None:
+    def __init__(self, *, view: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(16, 8))
         self.view = view
@@ -1593,7 +1528,7 @@ class _Bias(nn.Module):
 
 
 class _WithTable(nn.Module):
-    def __init__(self, *, view: bool = False) -> None:
+    def __init__(self, *, view: bool) -> None:
         super().__init__()
         self.table = _Table(view=view)
         self.bias = _Bias()
@@ -1604,93 +1539,62 @@ class _WithTable(nn.Module):
 
 
 def _changed_after_backward(
-    background_reductions: bool, *, view: bool, gated: _Gated | None = None
+    background_reductions: bool, *, view: bool
 ) -> tuple[RecordingSink, int]:
-    """One step whose loop changes the gradients in place before end_step.
+    """One step whose loop changes the parameters' gradients in place before end_step.
 
-    ``clip_grad_norm_`` (torch's in-place ops) and a scaling through ``.data`` (which the
-    version counter does not see). Returns the records and how many samples were delivered
-    before end_step.
+    Through ``clip_grad_norm_`` (torch's in-place ops) and through ``.data`` (which no version
+    counter sees). Returns the records and how many samples were delivered before end_step.
     """
     torch.manual_seed(0)
     model = _WithTable(view=view)
     sink = RecordingSink()
-    reducers = [*default_reducers(), gated] if gated is not None else None
     with inject_observer(
-        model,
-        sampler=AlwaysSampler(),
-        sink=sink,
-        reducers=reducers,
-        background_reductions=background_reductions,
+        model, sampler=AlwaysSampler(), sink=sink, background_reductions=background_reductions
     ) as observer:
         observer.begin_step(0, sample=True)
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
         model(x).pow(2).sum().backward()
-        before_end_step = len(sink.samples)
+        delivered = len(sink.samples)
         nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
         for parameter in model.parameters():
             assert parameter.grad is not None
             parameter.grad.data.mul_(0.5)
-        if gated is not None:
-            gated.gate.set()  # the worker reads what it was handed only now
         observer.end_step()
-    return sink, before_end_step
+    return sink, delivered
 
 
-def test_a_gradient_that_reaches_a_parameter_is_read_as_the_hook_saw_it() -> None:
-    """A gradient autograd would make a parameter's ``.grad`` is left to the worker intact.
+@pytest.mark.parametrize("view", [False, True], ids=["parameter", "view"])
+def test_gradients_changed_after_the_backward_keep_the_values_the_hook_saw(view: bool) -> None:
+    """The loop's clipping and ``.data`` writes after the backward change nothing recorded.
 
-    The worker reads it after the loop clipped and scaled the parameters' gradients in place:
-    held as handed over, it made autograd give the parameters copies. The table returns its
-    parameter, the bias adds one unchanged.
+    The table's output gradient (its parameter, or a view of it) and the bias's become the
+    parameters' ``.grad`` as they are, read in place by the worker: the sample settles at the
+    end of the backward, before the loop goes on, so its values are those of inline reduction.
     """
-    gated = _Gated()
-    worker, delivered_early = _changed_after_backward(True, view=False, gated=gated)
-    inline, _ = _changed_after_backward(False, view=False)
-    assert delivered_early == 0  # settled at end_step, after the changes
-    reasons = {r.unavailable_reason for r in worker.rows if r.metric != "gated"}
-    assert reasons == {None}
-    keep = {metric for reducer in default_reducers() for metric in reducer.metrics}
-    assert [[r for r in s.rows if r.metric in keep] for s in worker.samples] == [
-        [r for r in s.rows if r.metric in keep] for s in inline.samples
-    ]
-    assert worker.value("table", "output_gradient", "max_abs") is not None
-
-
-def test_a_sample_whose_gradient_a_parameter_shares_settles_at_the_end_of_its_backward() -> None:
-    """A view of a parameter's gradient reaches ``.grad`` itself: that sample does not wait.
-
-    The table returns a view of its parameter: autograd makes a view of the hooked gradient
-    the parameter's ``.grad``, which the loop changes (through ``.data`` too), so the sample
-    settles before the backward returns and its values are those of inline reduction.
-    """
-    worker, delivered_early = _changed_after_backward(True, view=True)
-    inline, _ = _changed_after_backward(False, view=True)
-    assert delivered_early == 1
+    worker, delivered = _changed_after_backward(True, view=view)
+    inline, _ = _changed_after_backward(False, view=view)
+    assert delivered == 1
+    assert {r.unavailable_reason for r in worker.rows} == {None}
     assert [s.rows for s in worker.samples] == [s.rows for s in inline.samples]
-    assert worker.value("table", "output_gradient", "max_abs") is not None
 
 
-def test_the_worker_starts_on_the_last_gradients_as_the_backward_ends() -> None:
-    """Gradients too small to wake the worker are reduced before end_step, not by it."""
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+def test_without_a_trainer_step_a_sample_settles_at_the_end_of_its_backward() -> None:
+    """With no end_step to come, the end of the backward waits for the worker and delivers."""
+    model = _model()
     sink = RecordingSink()
     with inject_observer(
         model, sampler=AlwaysSampler(), sink=sink, background_reductions=True
     ) as observer:
+        model(torch.randn(8, 64)).sum().backward()
+        assert len(sink.samples) == 1
+        assert sink.value("2", "output_gradient", "mean") is not None
         worker = observer._config.measurer._worker
-        for step in range(2):
-            observer.begin_step(step, sample=True)
-            loss = model(torch.randn(4, 8)).sum()
-            observer._config.measurer.wait()  # idle before the backward
-            loss.backward()
-            assert _ran_within(5, lambda: worker._finished == worker._submitted)
-            observer.end_step()
-        assert len(sink.samples) == 2
+        assert worker._finished == worker._submitted
 
 
-def test_a_sample_opened_for_a_step_without_end_step_settles_at_its_backward() -> None:
-    """``open_sample(step)`` without ``begin_step``: no end_step will settle it, so it settles."""
+def test_a_sample_opened_for_a_step_settles_at_the_end_of_its_backward() -> None:
+    """``open_sample(step)`` without ``begin_step`` and ``end_step``: delivered as it closes."""
     model = _model()
     sink = RecordingSink()
 
@@ -1707,70 +1611,3 @@ def test_a_sample_opened_for_a_step_without_end_step_settles_at_its_backward() -
         output.sum().backward()
         assert len(sink.samples) == 1
         assert sink.samples[0].step == 7
-
-
-class _FailsWhenTold:
-    """A reducer that raises while ``fail`` is set, holding the worker until ``gate`` is set."""
-
-    metrics = ("boom",)
-
-    def __init__(self) -> None:
-        self.fail = False
-        self.gate = threading.Event()
-
-    def reduce(self, prepared: Any) -> torch.Tensor:
-        if self.fail:
-            assert self.gate.wait(30), "the test never opened the gate"
-            raise RuntimeError("reducer broke")
-        return torch.zeros(1, dtype=prepared.values.dtype)
-
-
-def test_a_failure_settled_by_the_next_forward_is_raised_at_end_step() -> None:
-    """With warnings made errors, a deferred sample's failure stops end_step, not a forward.
-
-    Two micro-batches of one step: the first's gradients fail on the worker after its
-    backward; the second forward delivers that sample on its way and goes on.
-    """
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    sink, failing = RecordingSink(), _FailsWhenTold()
-    with inject_observer(
-        model,
-        sampler=AlwaysSampler(),
-        sink=sink,
-        reducers=[*default_reducers(), failing],
-        background_reductions=True,
-    ) as observer:
-        measurer = observer._config.measurer
-        observer.begin_step(0, sample=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", ObservationWarning)
-            loss = model(torch.randn(2, 4)).sum()
-            measurer.wait()
-            failing.fail = True
-            loss.backward()  # the gradients' jobs wait on the gate: the sample is deferred
-            failing.gate.set()
-            measurer.wait()
-            failing.fail = False
-            model(torch.randn(2, 4)).sum().backward()  # delivers the first sample, no raise
-            assert len(sink.samples) == 1
-            with pytest.raises(ObservationWarning, match="reducer broke"):
-                observer.end_step()
-        assert len(sink.samples) == 2
-        assert sink.value("1", "output_gradient", "boom", sample_id=0) is None
-        assert sink.value("1", "output_gradient", "mean", sample_id=0) is not None
-
-
-def test_a_warning_made_an_error_at_end_step_still_delivers_the_sample() -> None:
-    """A failure reported as a sample settles at end_step raises there, once it is delivered."""
-    model = nn.Sequential(nn.Linear(4, 4))
-    sink, gated = RecordingSink(), _Gated()
-    with _gated_observer(model, sink, gated, _Failing()) as observer:
-        observer.begin_step(0, sample=True)
-        model(torch.randn(2, 4)).sum().backward()
-        gated.gate.set()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", ObservationWarning)
-            with pytest.raises(ObservationWarning, match="reducer broke"):
-                observer.end_step()
-        assert len(sink.samples) == 1
-        assert sink.value("0", "output", "mean") is not None

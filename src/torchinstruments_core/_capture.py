@@ -16,7 +16,7 @@ from torchinstruments_core._hooks import ForwardPatch, Hook, force_eager, inert_
 from torchinstruments_core._sample import Sample, Site
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
 
     import torch
     from torch import nn
@@ -113,11 +113,6 @@ class Attachment:
         self._pre_hooks = [
             Hook(functools.partial(self._layer_pre_hook, layer)) for layer in self._layers
         ]
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The observed model's parameters; none once detached."""
-        if self._model is not None:
-            yield from self._model.parameters()
 
     def attach(self) -> None:
         """Place the root hooks (or the forward patches); all or nothing."""

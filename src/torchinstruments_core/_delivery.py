@@ -33,16 +33,7 @@ class DeliveryQueue:
         gate: Tells each record's rank.
     """
 
-    __slots__ = (
-        "_draining",
-        "_errors",
-        "_gate",
-        "_in_flight",
-        "_lock",
-        "_pid",
-        "_run_id",
-        "_sink",
-    )
+    __slots__ = ("_draining", "_gate", "_in_flight", "_lock", "_pid", "_run_id", "_sink")
 
     def __init__(
         self, lock: threading.RLock, sink: SinkSession, run_id: str, gate: RankGate
@@ -52,45 +43,22 @@ class DeliveryQueue:
         self._run_id = run_id
         self._gate = gate
         self._pid = os.getpid()  # only this process delivers samples
-        self._in_flight: collections.deque[tuple[Sample, HostTransfer | None]] = collections.deque()
+        self._in_flight: collections.deque[tuple[Sample, HostTransfer]] = collections.deque()
         self._draining = False
-        self._errors: list[Exception] = []  # from settling deferred samples, for ``drain``
 
-    def push(self, sample: Sample, *, defer: bool = False) -> None:
-        """Start moving ``sample``'s values to the host and queue it for delivery.
-
-        With ``defer``, a sample whose CPU reductions are still running on the reduction worker
-        is queued as it is (what the worker is done with is settled now), and a later ``drain``
-        settles the rest: once the worker is done, or waiting for it with ``settle=True`` (the
-        end of its trainer step). An error from settling it is raised by a ``drain`` with
-        ``settle`` or ``wait``, never by a ``drain`` that only delivers what is ready.
-        """
-        if defer:
-            error = sample.settle_reduced()
-            if not sample.reduced():
-                with self._lock:
-                    self._in_flight.append((sample, None))
-                    if error is not None:
-                        self._errors.append(error)
-                return
-        else:
-            error = None
-        transfer, failed = self._settle(sample)
+    def push(self, sample: Sample) -> None:
+        """Start moving ``sample``'s values to the host and queue it for delivery."""
+        started = time.perf_counter()
+        error = sample.settle()  # waits for the CPU reduction worker's jobs of this sample
+        transfer = sample.start_transfer()
+        sample.duration_s += time.perf_counter() - started
         with self._lock:
             self._in_flight.append((sample, transfer))
-        error = error or failed
         if error is not None:  # raised only now: the sample is queued, its values delivered
             raise error
 
-    def drain(self, *, wait: bool, settle: bool = False) -> None:
-        """Deliver the samples whose values have landed; with ``wait``, every queued sample.
-
-        A sample queued before the reduction worker was done with it (``push(defer=True)``) is
-        delivered once the worker is; with ``settle`` (or ``wait``) the worker is waited for.
-        With either, the first error that settling deferred samples gave is raised once the
-        samples that could go have gone.
-        """
-        error: Exception | None = None
+    def drain(self, *, wait: bool) -> None:
+        """Deliver the samples whose values have landed; with ``wait``, every queued sample."""
         with self._lock:
             if self._draining:
                 return  # a sink write re-entered the observer; the outer drain delivers
@@ -98,38 +66,17 @@ class DeliveryQueue:
             try:
                 while self._in_flight:
                     sample, transfer = self._in_flight[0]
-                    if transfer is None:
-                        if not (wait or settle or sample.reduced()):
-                            break
-                        transfer, failed = self._settle(sample)
-                        self._in_flight[0] = (sample, transfer)
-                        if failed is not None:
-                            self._errors.append(failed)
                     if not wait and not transfer.ready():
                         break
                     self._in_flight.popleft()
                     self._deliver(sample, transfer)
             finally:
                 self._draining = False
-            if (wait or settle) and self._errors:
-                error, self._errors = self._errors[0], []
-        if error is not None:
-            raise error
-
-    @staticmethod
-    def _settle(sample: Sample) -> tuple[HostTransfer, Exception | None]:
-        """Wait for the worker's reductions of ``sample``, then start its transfer."""
-        started = time.perf_counter()
-        error = sample.settle()  # waits for the CPU reduction worker's jobs of this sample
-        transfer = sample.start_transfer()
-        sample.duration_s += time.perf_counter() - started
-        return transfer, error
 
     def abandon(self, lock: threading.RLock) -> None:
         """Drop every queued sample and use ``lock`` from now on (in a child made by ``fork``)."""
         self._lock = lock
         self._in_flight.clear()
-        self._errors.clear()
 
     def _deliver(self, sample: Sample, transfer: HostTransfer) -> None:
         if os.getpid() != self._pid:

@@ -143,15 +143,12 @@ def inject_observer(
             (``torch.get_num_threads()`` below the cores this process may use), ``True`` always,
             ``False`` never. The values are the same either way, but for a tensor read without
             a copy that the model's code changes in place before that was checked (at the
-            thread's next hook, or when the sample settles): that sample has no values for it
+            thread's next hook, or when the sample closes): that sample has no values for it
             (``modified_in_place``), and it is copied from then on. A write that bypasses
             torch's in-place operators (``.data``, a numpy view) is not seen. The tensors
             waiting for the worker hold at most the largest one so far (in float32) or 8 MiB,
             whichever is more; up to 8 MiB of reduced copies' buffers is kept for reuse until
-            the observer is removed. A sample is delivered once the worker has reduced it: a
-            trainer step's sample by its ``end_step`` (the end of its backward does not wait
-            for the worker, unless a parameter's ``.grad`` shares a gradient it still reads),
-            any other at the end of its backward.
+            the observer is removed. A sample is delivered once the worker has reduced it.
             Under ``error_policy="raise"`` it is off, so a failure raises where it happens.
 
     Returns:

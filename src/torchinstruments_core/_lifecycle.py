@@ -351,18 +351,13 @@ class SampleLifecycle:
     # -- closing, removal and fork -------------------------------------------------------------
 
     def close_step(self, step: int) -> None:
-        """Close the samples of trainer step ``step``; deliver those whose values landed.
-
-        A sample that closed in its step's backward while the CPU reduction worker still had
-        its tensors is settled here, after the optimizer step: the training thread does not
-        wait for the worker at the end of the backward.
-        """
+        """Close the samples of trainer step ``step``; deliver those whose values landed."""
         self._close_released()
         with self._lock:
             ended = [s for s in self._pending.values() if s.step == step]
         for sample in ended:
             self._close(sample)
-        self._delivery.drain(wait=False, settle=True)
+        self._delivery.drain(wait=False)
 
     def flush(self) -> None:
         """Close every pending sample and deliver every closed one, waiting for the device."""
@@ -428,31 +423,9 @@ class SampleLifecycle:
             if finalizer is not None:
                 finalizer.detach()
             self._pending.pop(sample.sample_id, None)
-            defer = self._settles_at_end_step(sample)
-            if defer:
-                self._measurer.kick()  # the backward's last jobs may be too small to wake it
-            self._delivery.push(sample, defer=defer)
+            self._delivery.push(sample)
         if deliver:
             self._delivery.drain(wait=False)
-
-    def _settles_at_end_step(self, sample: Sample) -> bool:
-        """Whether ``sample`` may settle at its step's ``end_step`` instead of as it closes.
-
-        Only a sample of the step in progress that closes after its backward: ``end_step``
-        will come and wait for the worker, while the optimizer step overlaps its last
-        reductions. Not where the worker still reads, in place, a gradient that autograd made
-        a parameter's ``.grad`` (a view of it reached a parameter a module returns as a view),
-        which the loop may change in place before ``end_step``, through ``.data`` unseen.
-        """
-        if sample.forward_only or sample.step is None or sample.step != self._plan.step:
-            return False
-        in_place = sample.read_in_place()
-        if not in_place:
-            return True
-        return not any(
-            p.grad is not None and p.grad.untyped_storage().data_ptr() in in_place
-            for p in self.attachment.parameters()
-        )
 
     def abandon(self) -> None:
         """Forget every open sample without delivering it (in a child made by ``fork``)."""

@@ -68,8 +68,7 @@ class Measurement:
     ticket: int | None = None
     finishers: list[Callable[[Measurement], None]] = field(default_factory=list)
     shared: tuple[torch.Tensor, int] | None = None
-    """The tensor the worker reduces instead of a copy (or, pinned, the one it was detached
-    from, as the hook was given it), and its version at the hand-over."""
+    """The tensor the worker reduces instead of a copy, and its version at the hand-over."""
     changed: Callable[[], None] | None = None
     """Called by ``let_go`` when the shared tensor changed (its values are then dropped)."""
 
@@ -83,10 +82,6 @@ class Measurement:
             finish(self)
         else:
             self.finishers.append(finish)
-
-    def reduced(self) -> bool:
-        """Whether the worker is done with this measurement (it may still need settling)."""
-        return self.worker is None or self.worker.done(self.ticket)
 
     def settle(self) -> Exception | None:
         """Wait for the worker to fill this measurement in, then run what ``then`` deferred.
@@ -229,7 +224,6 @@ class Measurer:
         scale: float | torch.Tensor | None = None,
         shared: bool = False,
         changed: Callable[[], None] | None = None,
-        pin: bool = False,
     ) -> Measurement:
         """Reduce ``tensor`` (divided by ``scale`` when given, on the tensor's device).
 
@@ -248,9 +242,7 @@ class Measurer:
         ``grad_output`` in place), its values are dropped with the reason
         ``modified_in_place`` instead of mixing old and new entries, and ``changed()`` is
         called, on the thread that checked. Only a tensor whose changes would show in its
-        version is shared (``shareable``). With ``pin`` the tensor is held as given, not as a
-        detached alias, until that check: a gradient so held is one autograd sees referenced,
-        and it gives a leaf a copy of it as ``.grad`` instead of the tensor itself.
+        version is shared (``shareable``).
         """
         self._let_go()
         shared = shared and shareable(tensor)
@@ -273,14 +265,7 @@ class Measurer:
         try:
             measurement.ticket = self._worker.submit(
                 nbytes,
-                lambda: self._job(
-                    plain,
-                    measurement,
-                    with_histogram,
-                    owned=owned,
-                    shared=shared,
-                    held=tensor if pin else plain,
-                ),
+                lambda: self._job(plain, measurement, with_histogram, owned=owned, shared=shared),
             )
         except Exception as error:  # the copy failed (out of memory): no job, a reason
             return Measurement(reducer_error_reason(error), self.metrics, errors=[error])
@@ -326,15 +311,13 @@ class Measurer:
         *,
         owned: bool,
         shared: bool = False,
-        held: torch.Tensor | None = None,
     ) -> tuple[Callable[[], None], torch.Tensor | None]:
         """Copy ``plain`` here, in the hook; return the job that reduces the copy, and its buffer.
 
         The copy is flat and in the working dtype, in a buffer of the worker's (``buffer``),
         unless ``plain`` is already flat in that dtype and either ``owned`` (nobody else holds
-        it) or ``shared`` (see ``measure``; ``held``, ``plain`` or the tensor it was detached
-        from, is kept with its version in ``measurement.shared``): the model may change its
-        own tensors in place as soon as the hook returns.
+        it) or ``shared`` (see ``measure``; its version is noted in ``measurement.shared``):
+        the model may change its own tensors in place as soon as the hook returns.
         """
         dtype = working_dtype(plain.dtype)
         buffer = aliased = None  # what no result may keep reading: reused, or not ours
@@ -342,7 +325,7 @@ class Measurer:
             if (owned or shared) and plain.dtype == dtype and plain.is_contiguous():
                 copy = plain.detach().reshape(-1)
                 if not owned:
-                    measurement.shared = (plain if held is None else held, version(plain))
+                    measurement.shared = (plain, version(plain))
                     aliased = copy
             else:
                 copy = aliased = buffer = self._worker.buffer(plain.numel(), dtype)

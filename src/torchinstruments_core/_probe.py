@@ -340,16 +340,10 @@ class OutputProbe:
 
         Code of the model's may still change it in place (a custom ``backward`` scaling its
         ``grad_output``): the sample that read it then has no values for it
-        (``modified_in_place``), and from that check on its gradient is copied. The gradient
-        is held as handed over (``pin``) until the worker is done with it: autograd, seeing it
-        referenced, gives a leaf (a parameter a module returns, or adds unchanged) a copy as its
-        ``.grad`` instead of this tensor, which the loop may change in place after the backward
-        (``clip_grad_norm_``, a loss scaler's ``unscale_``) while the worker still reads it.
+        (``modified_in_place``), and from that check on its gradient is copied.
         """
         shared = site not in self._changed
-        return self._measure_shared(
-            grad, site, histogram, sample.gradient_scale, shared=shared, pin=shared
-        )
+        return self._measure_shared(grad, site, histogram, sample.gradient_scale, shared=shared)
 
     def _measure_shared(
         self,
@@ -359,7 +353,6 @@ class OutputProbe:
         scale: float | torch.Tensor | None,
         *,
         shared: bool,
-        pin: bool = False,
     ) -> Measurement:
         changed = functools.partial(self._note_change, site) if shared else None
         return measure_site(
@@ -371,7 +364,6 @@ class OutputProbe:
             scale,
             shared=shared,
             changed=changed,
-            pin=pin,
         )
 
     def _note_change(self, site: Site) -> None:
@@ -390,15 +382,14 @@ def measure_site(
     *,
     shared: bool = False,
     changed: Callable[[], None] | None = None,
-    pin: bool = False,
 ) -> Measurement:
     """Reduce ``tensor`` on its device, reporting each failing reducer with where it failed.
 
     ``shared``: nothing changes ``tensor`` in place after the hook; ``changed``: called if
-    something did; ``pin``: hold ``tensor`` itself meanwhile (``Measurer.measure``).
+    something did (``Measurer.measure``).
     """
     measurement = measurer.measure(
-        tensor, with_histogram=histogram, scale=scale, shared=shared, changed=changed, pin=pin
+        tensor, with_histogram=histogram, scale=scale, shared=shared, changed=changed
     )
     measurement.then(functools.partial(_report_errors, failures, site))
     return measurement

@@ -162,23 +162,6 @@ class Sample:
         errors = [measurement.settle() for _, measurement in self._measured]
         return next((error for error in errors if error is not None), None)
 
-    def reduced(self) -> bool:
-        """Whether the reduction worker is done with every measurement (never waits)."""
-        return all(measurement.reduced() for _, measurement in self._measured)
-
-    def settle_reduced(self) -> Exception | None:
-        """``settle`` the measurements the worker is done with (never waits); the first error."""
-        errors = [m.settle() for _, m in self._measured if m.worker is not None and m.reduced()]
-        return next((error for error in errors if error is not None), None)
-
-    def read_in_place(self) -> set[int]:
-        """Storage addresses of the tensors the worker still reads where they lie (``shared``)."""
-        return {
-            measurement.shared[0].untyped_storage().data_ptr()
-            for _, measurement in self._measured
-            if measurement.shared is not None and not measurement.reduced()
-        }
-
     def start_transfer(self) -> HostTransfer:
         """Start moving every device value of this sample to the host (once ``settle``d)."""
         return HostTransfer(list(self._device_tensors()), list(self._events()))
