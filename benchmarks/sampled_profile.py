@@ -14,8 +14,8 @@ threads leave a core free: with the default ``--threads 1`` on two cores or more
 hand-over to the worker (the copy, and any wait for room), or, without the worker, the
 reductions themselves; ``reduce: all reducers of a tensor`` holds the statistics pass and each
 reducer; ``deliver`` holds ``build`` (rows and histogram edges) and the hand-over to the sink;
-``settle`` is the wait for the worker's last tensors when a sample closes (a trainer step's
-sample at ``end_step``).
+``settle`` is the wait for the worker's last tensors when a sample closes (at the end of its
+backward).
 On the writer thread: turning samples into Parquet chunks, the TensorBoard histograms and the
 aggregates of ``result.json``.
 """
