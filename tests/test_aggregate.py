@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import numpy as np
 import pytest
 
-from torchinstruments_core.run_directory._aggregate import RESERVOIR, WINDOW, MetricAggregate
+from torchinstruments_core import SampleRecord, StatRow
+from torchinstruments_core._signals import RecordKind, Signal
+from torchinstruments_core.run_directory._aggregate import (
+    RESERVOIR,
+    WINDOW,
+    MetricAggregate,
+    RunAggregates,
+)
+from torchinstruments_core.run_directory._tables import sample_history
 
 
 def _fold(values: list[float | None]) -> dict[str, object]:
@@ -66,3 +75,47 @@ def test_only_unavailable_values_give_null_statistics() -> None:
     assert summary["count"] == 2
     assert summary["mean"] is None
     assert all(v is None or not isinstance(v, float) or math.isfinite(v) for v in summary.values())
+
+
+def _record(sample_id: int, rng: random.Random, kind: RecordKind) -> SampleRecord:
+    rows = []
+    for layer in ("encoder.0", "head"):
+        for signal in (Signal.OUTPUT, Signal.OUTPUT_GRADIENT):
+            for metric in ("mean", "rms", "p50"):
+                missing = rng.random() < 0.2
+                rows.append(
+                    StatRow(
+                        layer,
+                        sample_id % 2,
+                        signal,
+                        "output",
+                        metric,
+                        None if missing else rng.gauss(0.0, 1.0),
+                        "no_finite_values" if missing else None,
+                    )
+                )
+    return SampleRecord(
+        "run", 0, sample_id, sample_id, 0.0, False, rng.random(), tuple(rows), (), kind=kind
+    )
+
+
+def test_folding_a_samples_table_equals_folding_its_rows() -> None:
+    """``add(sample, history)``, as the run directory's writer calls it, matches the rows exactly.
+
+    The writer keeps only a sample's table once it is built, so result.json must not change
+    when its aggregates come from the table's columns instead of the row objects.
+    """
+    rng = random.Random(3)
+    records = [
+        _record(n, rng, RecordKind.STEP if n % 5 == 4 else RecordKind.FORWARD) for n in range(40)
+    ]
+    from_rows, from_tables = RunAggregates(seed=1), RunAggregates(seed=1)
+    for record in records:
+        from_rows.add(record)
+        from_tables.add(dataclasses.replace(record, rows=()), sample_history(record))
+    assert list(from_tables.metrics) == list(from_rows.metrics)
+    assert len(from_rows.metrics) == 24  # 2 layers, 2 calls, 2 signals, 3 metrics
+    for key, aggregate in from_rows.metrics.items():
+        assert from_tables.metrics[key].summary() == aggregate.summary(), key
+    assert from_tables.sample_summary() == from_rows.sample_summary()
+    assert from_tables.step_record_summary() == from_rows.step_record_summary()

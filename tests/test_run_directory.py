@@ -19,9 +19,12 @@ from torchinstruments_core import (
     EveryNForwardsSampler,
     ObservationError,
     ObservationWarning,
+    SampleRecord,
+    StatRow,
     inject_observer,
 )
 from torchinstruments_core._exceptions import RunDirectoryExistsError
+from torchinstruments_core._signals import Signal
 from torchinstruments_core.reducers import DEFAULT_METRICS
 from torchinstruments_core.run_directory import QUERIES, QUERY_PRELUDE, RunDirectorySink
 
@@ -326,3 +329,45 @@ def test_the_training_thread_waits_only_when_the_queue_is_full(tmp_path: pathlib
     blocked.join(timeout=10)
     assert not blocked.is_alive()
     assert writer.finish().samples_written == 4
+
+
+def test_the_writer_lets_a_samples_rows_go_once_its_table_is_built(tmp_path: pathlib.Path) -> None:
+    """Only the table of a sample waits for its chunk: its rows are freed, its counts still right.
+
+    Row objects kept until a chunk is written (30 seconds of samples) made Python's garbage
+    collector run full collections of every object of the process; the aggregates of
+    result.json then come from the table, and every count from the number of rows.
+    """
+    from torchinstruments_core.run_directory._layout import layout_for
+    from torchinstruments_core.run_directory._writer import ChunkWriter
+
+    seen: list[int] = []
+    written: list[tuple[SampleRecord, pl.DataFrame | None]] = []
+    writer = ChunkWriter(
+        layout_for(tmp_path / "run", rank=0, per_rank=False),
+        chunk_rows=1_000_000,
+        flush_seconds=30.0,
+        queue_size=8,
+        on_sample=[lambda sample: seen.append(len(sample.rows))],
+        on_written=[lambda record, history: written.append((record, history))],
+    )
+    writer.start()
+    rows = tuple(
+        StatRow("layer", 0, Signal.OUTPUT, "output", metric, float(n), None)
+        for n, metric in enumerate(DEFAULT_METRICS)
+    )
+    for sample_id in range(3):
+        writer.put(SampleRecord("r", 0, sample_id, sample_id, 0.0, False, 1.0, rows, ()))
+    report = writer.finish()
+    assert seen == [len(rows)] * 3  # the writer's consumers saw every row
+    assert report.samples_written == 3
+    assert report.rows_written == 3 * len(rows)
+    assert [record.sample_id for record, _ in written] == [0, 1, 2]
+    for record, history in written:
+        assert record.rows == ()
+        assert history is not None
+        assert history["value"].to_list() == [row.value for row in rows]
+    history = pl.read_parquet(tmp_path / "run" / "history.parts" / "history-*.parquet")
+    samples = pl.read_parquet(tmp_path / "run" / "history.parts" / "samples-*.parquet")
+    assert history.height == 3 * len(rows)
+    assert samples["rows"].to_list() == [len(rows)] * 3

@@ -31,12 +31,25 @@ from typing import TYPE_CHECKING, Any
 from torchinstruments_core._signals import RecordKind
 
 if TYPE_CHECKING:
+    import polars as pl
+
     from torchinstruments_core._records import SampleRecord
 
 RESERVOIR = 2048
 WINDOW = 256
 
 Key = tuple[str, int, str, str, str]
+
+ROW_COLUMNS = (
+    "layer",
+    "call_index",
+    "signal",
+    "tensor_path",
+    "metric",
+    "value",
+    "unavailable_reason",
+)
+"""The long table's columns that a row's aggregate is keyed by and folds in, in that order."""
 
 
 class MetricAggregate:
@@ -143,8 +156,17 @@ class RunAggregates:
         self.step_duration_ms = 0.0
         self._rng = random.Random(seed)
 
-    def add(self, sample: SampleRecord) -> None:
-        """Fold in every row of ``sample``; a step record is counted apart from the samples."""
+    def add(self, sample: SampleRecord, history: pl.DataFrame | None = None) -> None:
+        """Fold in every row of ``sample``; a step record is counted apart from the samples.
+
+        Args:
+            sample: The record.
+            history: Its rows as the long table (``_tables.sample_history``), read instead of
+                ``sample.rows``: the run directory's writer keeps only the table of a sample
+                whose chunk is not yet written, so that its rows are freed as soon as the table
+                is built (rows that live until a chunk is written make Python's garbage
+                collector run its full, slow collections).
+        """
         if sample.kind is RecordKind.STEP:
             self.step_records += 1
             self.step_duration_ms += sample.collection_duration_ms
@@ -152,9 +174,18 @@ class RunAggregates:
             self.add_sample(
                 forward_only=sample.forward_only, duration_ms=sample.collection_duration_ms
             )
+        if history is not None:
+            self.add_table(history)
+            return
         for row in sample.rows:
             key = (row.layer, row.call_index, row.signal.value, row.tensor_path, row.metric)
             self.add_value(key, row.value, row.unavailable_reason)
+
+    def add_table(self, history: pl.DataFrame) -> None:
+        """Fold in the rows of a frame with the long table's columns, in order (others unread)."""
+        columns = [history.get_column(name).to_list() for name in ROW_COLUMNS]
+        for layer, call, signal, path, metric, value, reason in zip(*columns, strict=True):
+            self.add_value((layer, call, signal, path, metric), value, reason)
 
     def add_sample(self, *, forward_only: bool, duration_ms: float) -> None:
         """Count one sample (``add`` does; ``repair`` calls it with rows read back from disk)."""

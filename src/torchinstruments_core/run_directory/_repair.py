@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchinstruments_core._records import LayerInfo, RunInfo
-from torchinstruments_core.run_directory._aggregate import RunAggregates
+from torchinstruments_core.run_directory._aggregate import ROW_COLUMNS, RunAggregates
 from torchinstruments_core.run_directory._claim import lock_folder, unlock_folder
 from torchinstruments_core.run_directory._finalize import (
     commit,
@@ -140,10 +140,8 @@ def _fold(layout: RunLayout) -> RunAggregates:
     for batch in _batches(layout.samples, ("forward_only", "collection_duration_ms")):
         for forward_only, duration in batch.iter_rows():
             aggregates.add_sample(forward_only=bool(forward_only), duration_ms=float(duration))
-    columns = ("layer", "call_index", "signal", "tensor_path", "metric", "value")
-    for batch in _batches(layout.history, (*columns, "unavailable_reason")):
-        for layer, call, signal, path, metric, value, reason in batch.iter_rows():
-            aggregates.add_value((layer, call, signal, path, metric), value, reason)
+    for batch in _batches(layout.history, ROW_COLUMNS):
+        aggregates.add_table(batch)
     return aggregates
 
 

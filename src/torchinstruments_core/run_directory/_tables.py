@@ -124,9 +124,17 @@ def _built(ready: Mapping[int, pl.DataFrame], sample: SampleRecord) -> pl.DataFr
     return sample_history(sample) if frame is None else frame
 
 
-def samples_frame(samples: Sequence[SampleRecord]) -> pl.DataFrame:
-    """One row per record (sample or step record)."""
-    columns: dict[str, list[object]] = {
+def samples_frame(
+    samples: Sequence[SampleRecord], rows: Sequence[int] | None = None
+) -> pl.DataFrame:
+    """One row per record (sample or step record).
+
+    Args:
+        samples: The records, in order.
+        rows: How many rows each has, where the records no longer hold them (the writer lets
+            them go once their frame is built); by default ``len(record.rows)``.
+    """
+    columns: dict[str, Sequence[object]] = {
         "run_id": [s.run_id for s in samples],
         "rank": [s.rank for s in samples],
         "sample_id": [s.sample_id for s in samples],
@@ -136,7 +144,7 @@ def samples_frame(samples: Sequence[SampleRecord]) -> pl.DataFrame:
         "optimizer_step": [s.optimizer_step for s in samples],
         "forward_only": [s.forward_only for s in samples],
         "collection_duration_ms": [s.collection_duration_ms for s in samples],
-        "rows": [len(s.rows) for s in samples],
+        "rows": [len(s.rows) for s in samples] if rows is None else rows,
         "note": [s.note for s in samples],
     }
     return _frame(columns, samples_schema())

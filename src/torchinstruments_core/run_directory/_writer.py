@@ -5,7 +5,10 @@ queue is full. The writer thread turns each sample into a frame of rows as it ar
 work, so short holds of the GIL, one sample at a time) and writes a chunk, concatenated by
 Polars, when ``chunk_rows`` rows are buffered or ``flush_seconds`` have passed, each chunk
 written to a temporary file and renamed, so a reader (or a run killed mid-write) only ever sees
-complete chunks.
+complete chunks. Once a sample's frame is built its row objects are let go: only the frame
+waits for the chunk. Hundreds of thousands of rows alive until a chunk is written (every step
+sampled, 30 seconds of them) would make Python's garbage collector run full collections, a
+few hundred milliseconds each with torch's own objects, every hundred samples or so.
 
 Failures, and what they cost (every sample is either written or counted in ``Losses``):
 
@@ -21,6 +24,7 @@ Failures, and what they cost (every sample is either written or counted in ``Los
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -54,11 +58,11 @@ class Losses:
     rows: int = 0
     reasons: list[str] = field(default_factory=list)
 
-    def add(self, samples: Iterable[SampleRecord], reason: str) -> None:
-        """Count ``samples`` as lost for ``reason``."""
-        for sample in samples:
+    def add(self, rows: Iterable[int], reason: str) -> None:
+        """Count samples as lost for ``reason``, given the number of rows of each."""
+        for count in rows:
             self.samples += 1
-            self.rows += len(sample.rows)
+            self.rows += count
         self.note(reason)
 
     def note(self, reason: str) -> None:
@@ -76,6 +80,22 @@ class Losses:
     def describe(self) -> str:
         """One sentence: how much was lost and why."""
         return f"{self.samples} samples ({self.rows} rows) were lost: " + "; ".join(self.reasons)
+
+
+@dataclass(slots=True)
+class _Held:
+    """A sample waiting for its chunk: its rows as a frame, or as rows if that failed."""
+
+    record: SampleRecord
+    """The record; without its rows once ``history`` holds them."""
+    rows: int
+    """How many rows the sample has."""
+    history: pl.DataFrame | None
+    """The rows as the long table (``sample_history``); ``None`` if it could not be built."""
+
+
+def _rows(samples: Iterable[SampleRecord]) -> list[int]:
+    return [len(sample.rows) for sample in samples]
 
 
 @dataclass(slots=True)
@@ -100,8 +120,10 @@ class ChunkWriter:
         queue_size: Samples waiting for the writer before ``put`` blocks.
         on_sample: Called on the writer thread with each sample as it arrives (TensorBoard
             histograms); a failure is reported and the sample is still written.
-        on_written: Called with each sample once its chunk is on disk, in order (the aggregates
-            of result.json, which so describe exactly the rows of the history).
+        on_written: Called with each sample and its rows as a frame (``None`` if the frame
+            was built only for the chunk: the record then holds its rows) once its chunk is
+            on disk, in order (the aggregates of result.json, which so describe exactly the
+            rows of the history). The record no longer holds its rows when a frame is given.
     """
 
     def __init__(
@@ -112,7 +134,7 @@ class ChunkWriter:
         flush_seconds: float,
         queue_size: int,
         on_sample: Sequence[Callable[[SampleRecord], None]] = (),
-        on_written: Sequence[Callable[[SampleRecord], None]] = (),
+        on_written: Sequence[Callable[[SampleRecord, pl.DataFrame | None], None]] = (),
     ) -> None:
         self._layout = layout
         self._chunk_rows = chunk_rows
@@ -123,9 +145,8 @@ class ChunkWriter:
         self._report = WriterReport()
         self._error: Exception | None = None
         self._lock = threading.Lock()
-        self._buffer: list[SampleRecord] = []
-        # each buffered sample's history rows, built on arrival (short holds of the GIL)
-        self._built: dict[int, pl.DataFrame] = {}
+        # each sample's history rows are built as it arrives (short holds of the GIL)
+        self._buffer: list[_Held] = []
         self._rows = 0
         self._retry_at = 0.0
         self._last_failure = ""
@@ -144,7 +165,7 @@ class ChunkWriter:
         """
         if self._report.died or not self._enqueue(sample):
             with self._lock:
-                self._report.losses.add([sample], self._death_reason())
+                self._report.losses.add([len(sample.rows)], self._death_reason())
         self._raise_pending()
 
     def finish(self) -> WriterReport:
@@ -154,7 +175,7 @@ class ChunkWriter:
         leftovers = self._drain()  # queued after the writer died, or never reached by it
         if leftovers:
             with self._lock:
-                self._report.losses.add(leftovers, self._death_reason())
+                self._report.losses.add(_rows(leftovers), self._death_reason())
         return self._report
 
     def _enqueue(self, item: object) -> bool:
@@ -215,40 +236,41 @@ class ChunkWriter:
                 deadline = time.monotonic() + self._flush_seconds
 
     def _take(self, sample: SampleRecord) -> None:
-        self._buffer.append(sample)
-        self._rows += len(sample.rows)
+        history = None
         with contextlib.suppress(Exception):  # a sample that cannot be built fails in the write
-            self._built[sample.sample_id] = sample_history(sample)
+            history = sample_history(sample)
         for consumer in self._on_sample:
             try:
                 consumer(sample)
             except Exception as error:
                 self._consumer_failed(consumer, sample, error)
+        rows = len(sample.rows)
+        record = sample if history is None else dataclasses.replace(sample, rows=())
+        self._buffer.append(_Held(record, rows, history))
+        self._rows += rows
 
     def _flush(self, *, final: bool) -> None:
         if not self._buffer or (not final and time.monotonic() < self._retry_at):
             self._trim()
             return
-        samples = self._buffer
+        held = self._buffer
         try:
-            self._write_chunk(samples)
+            self._write_chunk(held)
         except Exception as error:
-            self._failed_write(samples, error, final=final)
+            self._failed_write(held, error, final=final)
             return
         self._buffer, self._rows = [], 0
-        self._built.clear()
         self._retry_at = 0.0
-        self._written(samples)
+        self._written(held)
 
-    def _failed_write(self, samples: list[SampleRecord], error: Exception, *, final: bool) -> None:
+    def _failed_write(self, held: list[_Held], error: Exception, *, final: bool) -> None:
         self._retry_at = time.monotonic() + self._flush_seconds
         self._last_failure = cause(error)
-        first, last = samples[0].sample_id, samples[-1].sample_id
+        first, last = held[0].record.sample_id, held[-1].record.sample_id
         what = f"samples {first} to {last} were not written to {self._layout.root}"
         if final:
-            self._lose(samples, f"the last chunk could not be written ({self._last_failure})")
+            self._lose(held, f"the last chunk could not be written ({self._last_failure})")
             self._buffer, self._rows = [], 0
-            self._built.clear()
         else:
             self._trim()
             what += (
@@ -257,35 +279,37 @@ class ChunkWriter:
             )
         self._fail(f"{what}: {_describe(error)}")
 
-    def _write_chunk(self, samples: list[SampleRecord]) -> None:
+    def _write_chunk(self, held: list[_Held]) -> None:
         number = self._report.chunks
         # samples first: a kill between the two leaves no history row without its sample's row
         targets = (self._layout.part("samples", number), self._layout.part("history", number))
+        samples = [entry.record for entry in held]
+        built = {e.record.sample_id: e.history for e in held if e.history is not None}
         try:
-            atomic_write_parquet(samples_frame(samples), targets[0])
-            atomic_write_parquet(history_frame(samples, self._built), targets[1])
+            atomic_write_parquet(samples_frame(samples, [e.rows for e in held]), targets[0])
+            atomic_write_parquet(history_frame(samples, built), targets[1])
         except BaseException:
             for target in targets:  # half a chunk would count its samples twice after a retry
                 with contextlib.suppress(OSError):
                     target.unlink(missing_ok=True)
             raise
 
-    def _written(self, samples: list[SampleRecord]) -> None:
+    def _written(self, held: list[_Held]) -> None:
         self._report.chunks += 1
-        self._report.samples_written += len(samples)
-        self._report.rows_written += sum(len(s.rows) for s in samples)
-        for sample in samples:
+        self._report.samples_written += len(held)
+        self._report.rows_written += sum(entry.rows for entry in held)
+        for entry in held:
             for consumer in self._on_written:
                 try:
-                    consumer(sample)
+                    consumer(entry.record, entry.history)
                 except Exception as error:
-                    self._consumer_failed(consumer, sample, error)
+                    self._consumer_failed(consumer, entry.record, error)
             # a chunk's samples are folded in one by one (a millisecond or two each): between
             # them the training thread takes the GIL at once instead of after a switch interval
             time.sleep(0)
 
     def _consumer_failed(
-        self, consumer: Callable[[SampleRecord], None], sample: SampleRecord, error: Exception
+        self, consumer: Callable[..., None], sample: SampleRecord, error: Exception
     ) -> None:
         failure = f"the {_name(consumer)} failed ({cause(error)})"
         self._fail(
@@ -295,19 +319,18 @@ class ChunkWriter:
 
     def _trim(self) -> None:
         """While writes fail, keep at most ``chunk_rows`` rows (or one sample): newest first."""
-        dropped: list[SampleRecord] = []
+        dropped: list[_Held] = []
         while len(self._buffer) > 1 and self._rows > self._chunk_rows:
-            sample = self._buffer.pop(0)
-            self._built.pop(sample.sample_id, None)
-            self._rows -= len(sample.rows)
-            dropped.append(sample)
+            entry = self._buffer.pop(0)
+            self._rows -= entry.rows
+            dropped.append(entry)
         if dropped:
             failure = self._last_failure
             self._lose(dropped, f"dropped while chunks could not be written ({failure})")
 
-    def _lose(self, samples: Sequence[SampleRecord], reason: str) -> None:
+    def _lose(self, held: Sequence[_Held], reason: str) -> None:
         with self._lock:
-            self._report.losses.add(samples, reason)
+            self._report.losses.add([entry.rows for entry in held], reason)
 
     def _fail(self, message: str, *, note: str | None = None) -> None:
         """Report a failure to the training thread (its next ``put`` raises it)."""
@@ -320,16 +343,15 @@ class ChunkWriter:
         reason = f"the writer thread died ({cause(error)})"
         with self._lock:
             self._report.died = True
-            self._report.losses.add(self._buffer, reason)
+            self._report.losses.add([entry.rows for entry in self._buffer], reason)
             self._buffer, self._rows = [], 0
-            self._built.clear()
             self._error = OSError(
                 f"{reason}; the samples it had and every later sample of {self._layout.root} "
                 "are counted as lost (see result.json)"
             )
         leftovers = self._drain()
         with self._lock:
-            self._report.losses.add(leftovers, reason)
+            self._report.losses.add(_rows(leftovers), reason)
 
     def _drain(self) -> list[SampleRecord]:
         drained: list[SampleRecord] = []
