@@ -113,7 +113,8 @@ class OutputProbe:
         for path, tensor in tensors:
             site = Site(layer.name, call_index, Signal.INPUT, path) if self.record_inputs else None
             if site is not None:
-                sample.add(site, self._measure(tensor, site, layer.histogram))
+                measure = functools.partial(self._measure, tensor, site, layer.histogram)
+                self._add(sample, site, tensor, layer.histogram, None, measure)
             self._watch_input(sample, site, tensor, layer.histogram, profile)
         if self._profiler is not None and profile is not None and began is not None:
             # measuring the inputs is the observer's work, left out of every call's time
@@ -127,7 +128,8 @@ class OutputProbe:
             end = self._profiler.end_forward(profile)
         for path, tensor in iter_tensors(output, _OUTPUT_ROOT):
             site = Site(layer.name, call_index, Signal.OUTPUT, path)
-            sample.add(site, self._measure_output(sample, tensor, site, layer.histogram))
+            measure = functools.partial(self._measure_output, sample, tensor, site, layer.histogram)
+            self._add(sample, site, tensor, layer.histogram, None, measure)
             if tensor.requires_grad:
                 self._watch_gradient(sample, site, tensor, layer.histogram, profile)
                 if profile is not None:
@@ -278,16 +280,38 @@ class OutputProbe:
 
     def _record_gradient(self, slot: GradientSlot, grad: torch.Tensor) -> None:
         assert slot.site is not None, "only slots with a site measure"
-        sample, profiler = slot.sample, self._profiler
+        sample, profiler, site = slot.sample, self._profiler, slot.site
+        measure = functools.partial(self._measure_gradient, grad, site, slot.histogram, sample)
         if profiler is None:
-            measurement = self._measure_gradient(grad, slot.site, slot.histogram, sample)
-            sample.add(slot.site, measurement)
+            self._add(sample, site, grad, slot.histogram, sample.gradient_scale, measure)
             return
         device = call_device(iter((grad,)), None)
         began = profiler.stamp(device)  # the observer's work: left out of every call's time
-        measurement = self._measure_gradient(grad, slot.site, slot.histogram, sample)
-        sample.add(slot.site, measurement)
+        self._add(sample, site, grad, slot.histogram, sample.gradient_scale, measure)
         sample.overhead.append((began, profiler.stamp(device)))
+
+    @staticmethod
+    def _add(
+        sample: Sample,
+        site: Site,
+        tensor: torch.Tensor,
+        histogram: bool,
+        scale: float | torch.Tensor | None,
+        measure: Callable[[], Measurement],
+    ) -> None:
+        """Add ``site``'s measurement of ``tensor`` to ``sample``, measuring it only if need be.
+
+        A tensor this sample measured already, unchanged since (a module's input that is the
+        previous one's output, what an ``nn.Identity`` returns, the gradient flowing into
+        both), reuses that measurement (``Sample.measured``): its values are what measuring
+        it again would give, at the cost of none of its reductions. With ``record_inputs``
+        that is about half of every tensor measured.
+        """
+        measurement = sample.measured(tensor, histogram, scale)
+        if measurement is None:
+            measurement = measure()
+            sample.remember(tensor, histogram, scale, measurement)
+        sample.add(site, measurement, histogram=histogram)
 
     def _measure(self, tensor: torch.Tensor, site: Site, histogram: bool) -> Measurement:
         return measure_site(self._measurer, self._failures, tensor, site, histogram)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+from torchinstruments_core._measure import shareable
 from torchinstruments_core._recompute import RecomputeLedger
 from torchinstruments_core._records import (
     HistogramRecord,
@@ -24,11 +26,11 @@ from torchinstruments_core._records import (
     StatRow,
     UnavailableReason,
 )
+from torchinstruments_core._torch_private import version
 from torchinstruments_core._transfer import HostTransfer
 from torchinstruments_core.reducers._binning import split_histograms
 
 if TYPE_CHECKING:
-    import weakref
     from collections.abc import Iterator
 
     import torch
@@ -50,6 +52,24 @@ class Site:
     call_index: int
     signal: Signal
     tensor_path: str
+
+
+class _Taken(NamedTuple):
+    """A tensor a sample measured, and the measurement (see ``Sample.measured``)."""
+
+    tensor: weakref.ref[torch.Tensor]
+    version: int
+    scale: object
+    histogram: bool
+    measurement: Measurement
+
+
+class _Landed(NamedTuple):
+    """A measurement's values on the host."""
+
+    n_finite: float | None
+    results: list[list[float] | None]
+    histogram: list[float] | None
 
 
 class Sample:
@@ -79,7 +99,9 @@ class Sample:
         self.duration_s = 0.0
         self.note: str | None = None  # a step record's note (see ``SampleRecord.note``)
         self._calls: dict[str, int] = {}
-        self._measured: list[tuple[Site, Measurement]] = []
+        # each site's measurement, and whether its histogram (if any) is the site's to deliver
+        self._measured: list[tuple[Site, Measurement, bool]] = []
+        self._taken: dict[int, _Taken] = {}  # by the id of the tensor measured (``measured``)
         self._expected_gradients: list[tuple[Site, tuple[str, ...]]] = []
         self._received: set[Site] = set()
         self.handles: list[RemovableHandle] = []
@@ -121,23 +143,59 @@ class Sample:
             return calls.pop()
         return self.next_call_index(layer), None
 
-    def add(self, site: Site, measurement: Measurement) -> None:
+    def add(self, site: Site, measurement: Measurement, *, histogram: bool = True) -> None:
         """Keep a measurement until the sample closes; after that it is dropped.
 
         A closed sample's values are already crossing to the host: a gradient that arrives late
         (another thread, a second backward) must not join them. A dropped measurement is still
-        settled, so that a reducer that failed on it is reported.
+        settled, so that a reducer that failed on it is reported. ``histogram``: whether the
+        measurement's histogram, if it has one, is delivered for ``site`` (a measurement taken
+        for a focus layer and reused for another layer's site has one that site did not ask
+        for).
         """
         with self.lock:
             dropped = self.closed
             if not dropped:
-                self._measured.append((site, measurement))
+                self._measured.append((site, measurement, histogram))
                 if site.signal.gradient_of is not None:
                     self._received.add(site)
         if dropped:  # still told: a reducer that failed on it is reported, as inline
             error = measurement.settle()
             if error is not None:
                 raise error
+
+    def measured(
+        self, tensor: torch.Tensor, histogram: bool, scale: float | torch.Tensor | None
+    ) -> Measurement | None:
+        """The measurement this sample took of ``tensor`` already, if it holds for it now.
+
+        A module's input is often the previous module's output, a module may return its input
+        (``nn.Identity``, ``nn.Dropout(p=0)``), and the gradient flowing into such a tensor
+        reaches the hooks of each site it was observed at: the same tensor, measured again.
+        Its measurement stands if the tensor is that very object (alive), its version counter
+        has not moved since (no in-place op changed it), it was divided by the same ``scale``
+        object, and it has a histogram if ``histogram`` asks for one. Only tensors whose
+        in-place changes move their version are remembered (``_measure.shareable``).
+        """
+        taken = self._taken.get(id(tensor))
+        if taken is None or taken.tensor() is not tensor or taken.scale is not scale:
+            return None
+        if (histogram and not taken.histogram) or version(tensor) != taken.version:
+            return None
+        return taken.measurement
+
+    def remember(
+        self,
+        tensor: torch.Tensor,
+        histogram: bool,
+        scale: float | torch.Tensor | None,
+        measurement: Measurement,
+    ) -> None:
+        """Note that ``measurement`` is of ``tensor`` as it is now, for ``measured``."""
+        if shareable(tensor):
+            self._taken[id(tensor)] = _Taken(
+                weakref.ref(tensor), version(tensor), scale, histogram, measurement
+            )
 
     def expect_gradient(self, site: Site, metrics: tuple[str, ...]) -> None:
         """Note that a gradient hook waits on ``site``; if none arrives, its rows say so."""
@@ -159,8 +217,12 @@ class Sample:
         Returns the first error of what the measurements deferred (a reducer's failure
         reported as an error), for the caller to raise once the sample is queued.
         """
-        errors = [measurement.settle() for _, measurement in self._measured]
+        errors = [measurement.settle() for measurement in self._distinct()]
         return next((error for error in errors if error is not None), None)
+
+    def _distinct(self) -> list[Measurement]:
+        """Each measurement once (one may stand for several sites), in the order first added."""
+        return list({id(m): m for _, m, _ in self._measured}.values())
 
     def start_transfer(self) -> HostTransfer:
         """Start moving every device value of this sample to the host (once ``settle``d)."""
@@ -174,7 +236,8 @@ class Sample:
         yield from events(stamp for interval in self.overhead for stamp in interval)
 
     def _device_tensors(self) -> Iterator[torch.Tensor]:
-        for _, measurement in self._measured:
+        """The values of each distinct measurement, in the order ``_landed`` reads them."""
+        for measurement in self._distinct():
             if measurement.n_finite is not None:
                 yield measurement.n_finite.reshape(1)
             for result in measurement.results:
@@ -186,12 +249,14 @@ class Sample:
     def build(self, transfer: HostTransfer, *, run_id: str, rank: int) -> SampleRecord:
         """Turn the landed values into the sample's record."""
         host = iter(transfer.wait())
+        landed = {id(m): _landed(m, host) for m in self._distinct()}
         rows: list[StatRow] = []
         packed: list[tuple[Site, list[float], Measurement]] = []
-        for site, measurement in self._measured:
-            rows.extend(_rows(site, measurement, host))
-            if measurement.histogram is not None:
-                packed.append((site, next(host), measurement))
+        for site, measurement, histogram in self._measured:
+            values = landed[id(measurement)]
+            rows.extend(_rows(site, measurement, values))
+            if histogram and values.histogram is not None:
+                packed.append((site, values.histogram, measurement))
         histograms = _histograms(packed)
         if not self.forward_only:
             rows.extend(self._missing_gradient_rows())
@@ -231,22 +296,31 @@ def _row(site: Site, metric: str, value: float | None, reason: str | None) -> St
     )
 
 
-def _rows(site: Site, measurement: Measurement, host: Iterator[list[float]]) -> list[StatRow]:
-    """The rows of one measurement, its values read from ``host`` (a few hundred a sample)."""
+def _landed(measurement: Measurement, host: Iterator[list[float]]) -> _Landed:
+    """A measurement's values, read from ``host`` in the order ``_device_tensors`` gave them."""
+    n_finite = next(host)[0] if measurement.n_finite is not None else None
+    results = [None if r.values is None else next(host) for r in measurement.results]
+    histogram = next(host) if measurement.histogram is not None else None
+    return _Landed(n_finite, results, histogram)
+
+
+def _rows(site: Site, measurement: Measurement, landed: _Landed) -> list[StatRow]:
+    """The rows of one measurement at ``site``, from its values on the host."""
     where = (site.layer, site.call_index, site.signal, site.tensor_path)
     if measurement.reason is not None:
         return [StatRow(*where, metric, None, measurement.reason) for metric in measurement.metrics]
-    n_finite = next(host)[0]
     # a value that is not finite: none to take (no finite entries), or a statistic that overflowed
     not_finite = (
-        UnavailableReason.NO_FINITE_VALUES if n_finite == 0 else UnavailableReason.NON_FINITE_RESULT
+        UnavailableReason.NO_FINITE_VALUES
+        if landed.n_finite == 0
+        else UnavailableReason.NON_FINITE_RESULT
     )
     rows: list[StatRow] = []
-    for result in measurement.results:
-        if result.values is None:
+    for result, values in zip(measurement.results, landed.results, strict=True):
+        if values is None:
             rows.extend(StatRow(*where, metric, None, result.error) for metric in result.metrics)
             continue
-        for metric, value in zip(result.metrics, next(host), strict=True):
+        for metric, value in zip(result.metrics, values, strict=True):
             if math.isfinite(value):
                 rows.append(StatRow(*where, metric, value, None))
             else:

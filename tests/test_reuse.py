@@ -1,0 +1,162 @@
+"""A tensor observed at several sites of one sample is reduced once, and every site gets its rows.
+
+A module's input is the previous module's output, ``nn.Identity`` and ``nn.Dropout(p=0)`` return
+their input, and the gradient flowing into such a tensor reaches each site's hook as the same
+tensor: measuring it again would give the very same values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments_core import AlwaysSampler, Signal, by_name, inject_observer
+from torchinstruments_core._measure import Measurer
+from torchinstruments_core.testing import RecordingSink
+
+METRICS = ("mean", "std", "min", "max", "p25", "p50", "p75", "rms", "zero_fraction")
+SHARED_SITES = [  # one tensor in the forward, one gradient in the backward
+    ("0", Signal.OUTPUT, "output"),
+    ("1", Signal.INPUT, "input.0"),
+    ("1", Signal.OUTPUT, "output"),
+    ("2", Signal.INPUT, "input.0"),
+    ("2", Signal.OUTPUT, "output"),
+    ("3", Signal.INPUT, "input.0"),
+]
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Identity(), nn.Dropout(p=0.0), nn.Linear(32, 1))
+
+
+def _measured(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """Every tensor handed to the reducers, in order."""
+    seen: list[torch.Tensor] = []
+    measure = Measurer.measure
+
+    def counting(self: Measurer, tensor: torch.Tensor, **options: object) -> object:
+        seen.append(tensor)
+        return measure(self, tensor, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Measurer, "measure", counting)
+    return seen
+
+
+def _value(sink: RecordingSink, layer: str, signal: Signal, path: str, metric: str) -> float:
+    value = sink.value(layer, signal, metric, tensor_path=path)
+    assert value is not None, (layer, signal, path, metric)
+    return value
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["worker", "inline"])
+def test_a_tensor_seen_at_several_sites_is_reduced_once(
+    monkeypatch: pytest.MonkeyPatch, background: bool
+) -> None:
+    """Six sites share one activation and six its gradient: two reductions, the same rows.
+
+    The rows equal those of an independent reduction of the tensor (float64 references).
+    """
+    measured = _measured(monkeypatch)
+    model, sink = _model(), RecordingSink()
+    x = torch.randn(64, 8)
+    options = {"record_inputs": True, "background_reductions": background, "error_policy": "raise"}
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, **options):  # type: ignore[arg-type]
+        model(x).square().mean().backward()
+    # x, the shared activation, the last output; their gradients but x's (it needs none)
+    assert len(measured) == 5
+    hidden = model[0](x).detach().double()
+    for metric, expected in {"mean": hidden.mean(), "max": hidden.max()}.items():
+        for layer, signal, path in SHARED_SITES:
+            assert _value(sink, layer, signal, path, metric) == pytest.approx(expected.item())
+    gradient_of = {Signal.OUTPUT: Signal.OUTPUT_GRADIENT, Signal.INPUT: Signal.INPUT_GRADIENT}
+    for metric in METRICS:
+        for gradient in (False, True):
+            values = {
+                _value(sink, layer, gradient_of[signal] if gradient else signal, path, metric)
+                for layer, signal, path in SHARED_SITES
+            }
+            assert len(values) == 1, (metric, gradient, values)
+
+
+def test_a_tensor_changed_in_place_between_sites_is_measured_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``ReLU(inplace=True)``: its input holds the values before, its output those after."""
+    measured = _measured(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(inplace=True), nn.Linear(32, 1))
+    sink = RecordingSink()
+    x = torch.randn(64, 8)
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, record_inputs=True):
+        model(x).sum().backward()
+    before = model[0](x).detach()
+    assert _value(sink, "0", Signal.OUTPUT, "output", "min") == pytest.approx(before.min().item())
+    assert _value(sink, "1", Signal.INPUT, "input.0", "min") == pytest.approx(before.min().item())
+    assert before.min() < 0
+    assert _value(sink, "1", Signal.OUTPUT, "output", "min") == 0.0
+    # the same object, measured again once the in-place op moved its version
+    assert sum(tensor is measured[1] for tensor in measured[:4]) == 2
+
+
+def test_a_reused_measurement_delivers_histograms_only_for_the_focus_sites() -> None:
+    """A focus layer's histogram is not delivered for another layer's site sharing its tensor.
+
+    Here the focus layer comes first (its measurement has a histogram, reused by the others) and
+    the second focus layer last (its input and the first layer's output are one tensor, whose
+    first measurement had a histogram too): histograms appear for the focus sites only.
+    """
+    model, sink = _model(), RecordingSink()
+    focus = by_name("0", "2")
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=sink, record_inputs=True, focus_selector=focus
+    ):
+        model(torch.randn(64, 8)).sum().backward()
+    (sample,) = sink.samples
+    delivered = {(h.layer, h.signal, h.tensor_path) for h in sample.histograms}
+    assert delivered == {
+        ("0", Signal.INPUT, "input.0"),
+        ("0", Signal.OUTPUT, "output"),
+        ("0", Signal.OUTPUT_GRADIENT, "output"),
+        ("2", Signal.INPUT, "input.0"),
+        ("2", Signal.INPUT_GRADIENT, "input.0"),
+        ("2", Signal.OUTPUT, "output"),
+        ("2", Signal.OUTPUT_GRADIENT, "output"),
+    }
+    counts = {(h.layer, h.signal): h.counts for h in sample.histograms}
+    assert counts["0", Signal.OUTPUT] == counts["2", Signal.INPUT] == counts["2", Signal.OUTPUT]
+
+
+def test_a_histogram_asked_for_later_measures_the_tensor_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tensor first measured without a histogram is measured again for a focus site."""
+    measured = _measured(monkeypatch)
+    model, sink = _model(), RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, focus_selector=by_name("1")):
+        model(torch.randn(64, 8)).sum().backward()
+    (sample,) = sink.samples
+    assert {(h.layer, h.signal) for h in sample.histograms} == {
+        ("1", Signal.OUTPUT),
+        ("1", Signal.OUTPUT_GRADIENT),
+    }
+    # outputs: layer 0's (no histogram), layer 1's (the same tensor, with one), layer 3's;
+    # layer 2's reuses layer 1's; gradients likewise
+    assert len(measured) == 6
+
+
+def test_each_sample_measures_its_own_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same input tensor fed to two samples is measured in each (nothing carries over)."""
+    measured = _measured(monkeypatch)
+    model = nn.Sequential(nn.Identity(), nn.Linear(8, 1))
+    sink = RecordingSink()
+    x = torch.randn(16, 8)
+    focus = by_name("0", "1")  # a histogram everywhere: one measurement of x serves each site
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=sink, record_inputs=True, focus_selector=focus
+    ):
+        for _ in range(2):
+            model(x).sum().backward()
+    assert len(sink.samples) == 2
+    assert sum(tensor is x for tensor in measured) == 2  # once a sample, for three sites
