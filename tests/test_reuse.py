@@ -7,6 +7,7 @@ tensor: measuring it again would give the very same values.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -147,16 +148,102 @@ def test_a_histogram_asked_for_later_measures_the_tensor_again(
 
 
 def test_each_sample_measures_its_own_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same input tensor fed to two samples is measured in each (nothing carries over)."""
+    """The same tensor fed to two samples is measured in each (nothing carries over)."""
     measured = _measured(monkeypatch)
     model = nn.Sequential(nn.Identity(), nn.Linear(8, 1))
     sink = RecordingSink()
-    x = torch.randn(16, 8)
+    x = torch.randn(16, 8, requires_grad=True) * 2.0  # made by autograd: reusable
     focus = by_name("0", "1")  # a histogram everywhere: one measurement of x serves each site
     with inject_observer(
         model, sampler=AlwaysSampler(), sink=sink, record_inputs=True, focus_selector=focus
     ):
         for _ in range(2):
-            model(x).sum().backward()
+            model(x).sum().backward(retain_graph=True)
     assert len(sink.samples) == 2
     assert sum(tensor is x for tensor in measured) == 2  # once a sample, for three sites
+
+
+class _Refilled(nn.Module):
+    """Calls its cell on one input tensor, a view of a numpy buffer refilled between calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.Linear(4, 4)
+        self.buffer = np.zeros((2, 4), dtype=np.float32)
+        self.x = torch.from_numpy(self.buffer)
+
+    def forward(self, frames: np.ndarray) -> torch.Tensor:
+        total = torch.zeros(())
+        for frame in frames:
+            self.buffer[:] = frame  # a numpy write: the tensor's version does not move
+            total = total + self.cell(self.x).sum()
+        return total
+
+
+def test_an_input_refilled_through_numpy_is_measured_at_every_call() -> None:
+    """Only tensors autograd made are reused: a numpy write moves no version counter."""
+    model, sink = _Refilled(), RecordingSink()
+    frames = np.stack([np.full((2, 4), float(t), np.float32) for t in range(3)])
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, record_inputs=True):
+        model(frames).backward()
+    means = {
+        row.call_index: row.value
+        for row in sink.rows
+        if (row.layer, row.signal, row.metric) == ("cell", Signal.INPUT, "mean")
+    }
+    assert means == {0: 0.0, 1: 1.0, 2: 2.0}
+
+
+def test_an_input_keeps_its_values_when_its_module_changes_a_shared_output_in_place() -> None:
+    """An input site does not reuse an output the worker reads in place.
+
+    After an evaluation sample, where ``Dropout(inplace=True)`` leaves the first layer's output
+    as it is, that output is read in place; in training the dropout changes it, so the output
+    site loses that sample's values (``modified_in_place``), but the dropout's input site,
+    whose values at the call's start are copied, keeps them, as it did without reuse.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5, inplace=True), nn.Linear(32, 1))
+    sink = RecordingSink()
+    with inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        sink=sink,
+        record_inputs=True,
+        background_reductions=True,
+    ):
+        for train in (False, True, True):
+            model.train(train)
+            model(torch.randn(64, 8)).sum().backward()
+    for sample in sink.samples:
+        reasons = {
+            (row.layer, row.signal): row.unavailable_reason
+            for row in sample.rows
+            if row.metric == "mean"
+        }
+        assert reasons["1", Signal.INPUT] is None, sample.sample_id
+
+
+def test_a_late_site_of_a_closed_sample_leaves_a_held_measurement_to_the_closer() -> None:
+    """A gradient arriving after the sample closed never settles a measurement the sample holds.
+
+    Whoever closed the sample settles it (possibly on another thread at that moment); a
+    measurement of the sample's own, reused for the late site, is not settled twice.
+    """
+    from torchinstruments_core._measure import Measurement
+    from torchinstruments_core._sample import Sample, Site
+
+    class Worker:
+        def wait(self, ticket: int | None = None) -> None:
+            pass
+
+    finished: list[str] = []
+    measurement = Measurement(None, ("mean",), worker=Worker(), ticket=1)  # type: ignore[arg-type]
+    measurement.then(lambda _: finished.append("finished"))
+    sample = Sample(0, None, 0.0, None)
+    sample.add(Site("a", 0, Signal.OUTPUT_GRADIENT, "output"), measurement)
+    sample.closed = True
+    sample.add(Site("b", 0, Signal.OUTPUT_GRADIENT, "output"), measurement)  # late, reused
+    assert finished == []
+    assert sample.settle() is None
+    assert finished == ["finished"]

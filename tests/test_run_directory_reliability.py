@@ -231,6 +231,45 @@ def test_a_disk_still_full_at_exit_leaves_intact_chunks_that_repair_completes(
         assert _result(disk / "run")["samples"]["count"] == 5
 
 
+def test_a_writer_that_dies_while_taking_a_sample_counts_it_lost(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A panic (a ``BaseException``) while a sample's table is built loses no count.
+
+    The sample being taken, the ones queued behind it and those put later are all counted.
+    """
+    from torchinstruments_core import StatRow
+    from torchinstruments_core._signals import Signal
+    from torchinstruments_core.run_directory._layout import layout_for
+    from torchinstruments_core.run_directory._tables import sample_history
+    from torchinstruments_core.run_directory._writer import ChunkWriter
+
+    class Panic(BaseException):  # what a Polars panic raises
+        pass
+
+    def panicking(sample: SampleRecord) -> Any:
+        if sample.sample_id == 2:
+            raise Panic("polars panicked")
+        return sample_history(sample)
+
+    monkeypatch.setattr("torchinstruments_core.run_directory._writer.sample_history", panicking)
+    row = StatRow("layer", 0, Signal.OUTPUT, "output", "mean", 1.0, None)
+    writer = ChunkWriter(
+        layout_for(tmp_path / "run", rank=0, per_rank=False),
+        chunk_rows=1_000_000,
+        flush_seconds=30.0,
+        queue_size=8,
+    )
+    writer.start()
+    for sample_id in range(5):
+        with contextlib.suppress(OSError):  # the death is reported by a later put
+            writer.put(SampleRecord("r", 0, sample_id, None, 0.0, True, 1.0, (row,) * 3, ()))
+    report = writer.finish()
+    assert report.died
+    assert report.samples_written == 0
+    assert (report.losses.samples, report.losses.rows) == (5, 15)
+
+
 # -- 3. checked at injection -----------------------------------------------------------------
 
 

@@ -114,7 +114,7 @@ class OutputProbe:
             site = Site(layer.name, call_index, Signal.INPUT, path) if self.record_inputs else None
             if site is not None:
                 measure = functools.partial(self._measure, tensor, site, layer.histogram)
-                self._add(sample, site, tensor, layer.histogram, None, measure)
+                self._add(sample, site, tensor, layer.histogram, None, measure, copied=True)
             self._watch_input(sample, site, tensor, layer.histogram, profile)
         if self._profiler is not None and profile is not None and began is not None:
             # measuring the inputs is the observer's work, left out of every call's time
@@ -282,12 +282,13 @@ class OutputProbe:
         assert slot.site is not None, "only slots with a site measure"
         sample, profiler, site = slot.sample, self._profiler, slot.site
         measure = functools.partial(self._measure_gradient, grad, site, slot.histogram, sample)
+        scale = sample.gradient_scale
         if profiler is None:
-            self._add(sample, site, grad, slot.histogram, sample.gradient_scale, measure)
+            self._add(sample, site, grad, slot.histogram, scale, measure, computed=True)
             return
         device = call_device(iter((grad,)), None)
         began = profiler.stamp(device)  # the observer's work: left out of every call's time
-        self._add(sample, site, grad, slot.histogram, sample.gradient_scale, measure)
+        self._add(sample, site, grad, slot.histogram, scale, measure, computed=True)
         sample.overhead.append((began, profiler.stamp(device)))
 
     @staticmethod
@@ -298,6 +299,9 @@ class OutputProbe:
         histogram: bool,
         scale: float | torch.Tensor | None,
         measure: Callable[[], Measurement],
+        *,
+        computed: bool | None = None,
+        copied: bool = False,
     ) -> None:
         """Add ``site``'s measurement of ``tensor`` to ``sample``, measuring it only if need be.
 
@@ -306,11 +310,20 @@ class OutputProbe:
         both), reuses that measurement (``Sample.measured``): its values are what measuring
         it again would give, at the cost of none of its reductions. With ``record_inputs``
         that is about half of every tensor measured.
+
+        Only tensors that autograd made are remembered (``computed``: a gradient; ``None``:
+        ``_computed`` decides), whose memory only torch's ops write: an input refilled from a
+        numpy array between two calls keeps its version. A ``copied`` site (an input, whose
+        values at the call's start are kept even if the module then changes it in place) does
+        not reuse a measurement the worker still reads in place.
         """
         measurement = sample.measured(tensor, histogram, scale)
+        if measurement is not None and copied and measurement.shared is not None:
+            measurement = None
         if measurement is None:
             measurement = measure()
-            sample.remember(tensor, histogram, scale, measurement)
+            if computed or (computed is None and _computed(tensor)):
+                sample.remember(tensor, histogram, scale, measurement)
         sample.add(site, measurement, histogram=histogram)
 
     def _measure(self, tensor: torch.Tensor, site: Site, histogram: bool) -> Measurement:

@@ -159,7 +159,9 @@ class Sample:
                 self._measured.append((site, measurement, histogram))
                 if site.signal.gradient_of is not None:
                     self._received.add(site)
-        if dropped:  # still told: a reducer that failed on it is reported, as inline
+            # one the sample holds already (reused) is settled by whoever closed the sample
+            ours = dropped and any(m is measurement for _, m, _ in self._measured)
+        if dropped and not ours:  # still told: a reducer that failed on it is reported, as inline
             error = measurement.settle()
             if error is not None:
                 raise error
@@ -174,11 +176,16 @@ class Sample:
         reaches the hooks of each site it was observed at: the same tensor, measured again.
         Its measurement stands if the tensor is that very object (alive), its version counter
         has not moved since (no in-place op changed it), it was divided by the same ``scale``
-        object, and it has a histogram if ``histogram`` asks for one. Only tensors whose
-        in-place changes move their version are remembered (``_measure.shareable``).
+        object, and it has a histogram if ``histogram`` asks for one; never once the sample
+        has closed. Only tensors whose in-place changes move their version are remembered
+        (``_measure.shareable``). A write that bypasses torch's in-place operators (through
+        ``.data``, a numpy view) is not seen, as it is not by the reduction worker reading a
+        tensor in place.
         """
         taken = self._taken.get(id(tensor))
-        if taken is None or taken.tensor() is not tensor or taken.scale is not scale:
+        if self.closed or taken is None or taken.tensor() is not tensor:
+            return None
+        if taken.scale is not scale:
             return None
         if (histogram and not taken.histogram) or version(tensor) != taken.version:
             return None

@@ -236,18 +236,19 @@ class ChunkWriter:
                 deadline = time.monotonic() + self._flush_seconds
 
     def _take(self, sample: SampleRecord) -> None:
-        history = None
+        # buffered first: if the thread dies below (a Polars panic) the sample is counted lost
+        held = _Held(sample, len(sample.rows), None)
+        self._buffer.append(held)
+        self._rows += held.rows
         with contextlib.suppress(Exception):  # a sample that cannot be built fails in the write
-            history = sample_history(sample)
+            held.history = sample_history(sample)
         for consumer in self._on_sample:
             try:
                 consumer(sample)
             except Exception as error:
                 self._consumer_failed(consumer, sample, error)
-        rows = len(sample.rows)
-        record = sample if history is None else dataclasses.replace(sample, rows=())
-        self._buffer.append(_Held(record, rows, history))
-        self._rows += rows
+        if held.history is not None:  # the rows are in the table now: let the objects go
+            held.record = dataclasses.replace(sample, rows=())
 
     def _flush(self, *, final: bool) -> None:
         if not self._buffer or (not final and time.monotonic() < self._retry_at):
