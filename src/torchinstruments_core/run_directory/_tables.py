@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -65,11 +64,6 @@ def samples_schema() -> pl.Schema:
     return pl.Schema(columns)
 
 
-_ROW_FIELDS = operator.attrgetter(
-    "layer", "call_index", "signal", "tensor_path", "metric", "value", "unavailable_reason"
-)
-
-
 def sample_history(sample: SampleRecord) -> pl.DataFrame:
     """The rows of one sample as the long table, column by column.
 
@@ -79,23 +73,21 @@ def sample_history(sample: SampleRecord) -> pl.DataFrame:
     """
     rows = sample.rows
     count = len(rows)
-    layer, call_index, signal, tensor_path, metric, value, reason = (
-        zip(*map(_ROW_FIELDS, rows), strict=True) if rows else ((),) * 7
-    )
-    names = {member: member.value for member in set(signal)}
+    # a list per column, no object per row: a burst of short-lived objects would be promoted
+    # by the garbage collections it sets off, and make the full ones come sooner
     columns: dict[str, Sequence[object]] = {
         "run_id": [sample.run_id] * count,
         "rank": [sample.rank] * count,
         "sample_id": [sample.sample_id] * count,
         "step": [sample.step] * count,
         "timestamp": [int(sample.timestamp * 1_000_000)] * count,
-        "layer": layer,
-        "call_index": call_index,
-        "signal": [names[member] for member in signal],
-        "tensor_path": tensor_path,
-        "metric": metric,
-        "value": value,
-        "unavailable_reason": reason,
+        "layer": [row.layer for row in rows],
+        "call_index": [row.call_index for row in rows],
+        "signal": [row.signal.value for row in rows],
+        "tensor_path": [row.tensor_path for row in rows],
+        "metric": [row.metric for row in rows],
+        "value": [row.value for row in rows],
+        "unavailable_reason": [row.unavailable_reason for row in rows],
     }
     return _frame(columns, history_schema())
 

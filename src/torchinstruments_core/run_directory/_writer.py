@@ -229,6 +229,7 @@ class ChunkWriter:
                 return
             if item is not None:
                 self._take(item)  # type: ignore[arg-type]
+                item = None  # its rows are in the table: free them now, not at the next sample
             due = time.monotonic() >= deadline
             if self._buffer and (self._rows >= self._chunk_rows or due):
                 self._flush(final=False)
