@@ -911,6 +911,80 @@ def test_a_shared_tensor_changed_before_the_sample_settles_has_no_values() -> No
         measurer.close()
 
 
+def _values(measurement: Any) -> list[Any]:
+    assert measurement.settle() is None
+    assert measurement.reason is None
+    return [
+        measurement.n_finite.tolist(),
+        *[result.values.tolist() for result in measurement.results],
+        measurement.histogram.tolist(),
+    ]
+
+
+@pytest.mark.parametrize("kind", ["strided", "bfloat16"])
+def test_a_strided_or_narrow_tensor_read_in_place_is_flattened_on_the_worker(
+    monkeypatch: Any, kind: str
+) -> None:
+    """No copy in the hook: the worker makes the flat float32 tensor, with inline's values.
+
+    A change in place after the hand-over still drops the values (``modified_in_place``).
+    """
+    base = torch.randn(96, 64, generator=torch.Generator().manual_seed(0))
+    tensor = base.t() if kind == "strided" else base.to(torch.bfloat16)
+    inline = Measurer(default_reducers(), HistogramReducer(), background=False)
+    expected = _values(inline.measure(tensor, with_histogram=True, shared=True))
+    copies: list[int] = []
+    buffer = ReductionWorker.buffer
+
+    def counted(self: ReductionWorker, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        copies.append(numel)
+        return buffer(self, numel, dtype)
+
+    monkeypatch.setattr(ReductionWorker, "buffer", counted)
+    measurer = Measurer(default_reducers(), HistogramReducer(), background=True)
+    try:
+        measurement = measurer.measure(tensor, with_histogram=True, shared=True)
+        assert measurement.shared is not None
+        assert _values(measurement) == expected
+        changed = measurer.measure(tensor, with_histogram=True, shared=True)
+        tensor.mul_(2)
+        assert changed.settle() is None
+        assert changed.reason == "modified_in_place"
+    finally:
+        measurer.close()
+    assert copies == []
+
+
+def test_strided_and_bfloat16_tensors_give_the_values_of_inline_reduction() -> None:
+    """A model in bfloat16 whose outputs are transposed: the worker's rows are inline's."""
+
+    class Transposed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(16, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x).transpose(0, 1)
+
+    def records(background_reductions: bool) -> RecordingSink:
+        torch.manual_seed(0)
+        model = nn.Sequential(Transposed(), nn.GELU()).to(torch.bfloat16)
+
+        def run(observer: Observer) -> None:
+            for step in range(3):
+                observer.begin_step(step, sample=True)
+                inputs = torch.randn(64, 16, generator=torch.Generator().manual_seed(step))
+                model(inputs.to(torch.bfloat16)).float().square().mean().backward()
+                observer.end_step()
+
+        return _observed(model, background_reductions, run)
+
+    worker, inline = records(True), records(False)
+    assert [s.rows for s in worker.samples] == [s.rows for s in inline.samples]
+    assert [s.histograms for s in worker.samples] == [s.histograms for s in inline.samples]
+    assert all(row.value is not None for sample in worker.samples for row in sample.rows)
+
+
 def test_outputs_are_shared_once_a_forward_left_them_unchanged(monkeypatch: Any) -> None:
     """The first sample copies every output; later ones only the one changed in place after.
 
@@ -954,10 +1028,11 @@ def test_outputs_are_shared_once_a_forward_left_them_unchanged(monkeypatch: Any)
     assert read_in_place[0] == set()
     # "0" is the ReLU's output too ("1"), which is read where it lies: the same memory
     assert read_in_place[1] == read_in_place[2] == {"0", "1", "2", "3", "4"}
-    # the loss's gradient is expanded (not contiguous): copied every time, like output "0"
+    # the loss's gradient is expanded (not contiguous): flattened on the worker, never copied
+    # in the hook; output "0" is copied every time
     widest, loss = 256 * 512, 256 * 8
-    assert sorted(copied[0]) == [loss, loss, widest, widest, widest, widest]
-    assert sorted(copied[1]) == sorted(copied[2]) == [loss, widest]
+    assert sorted(copied[0]) == [loss, widest, widest, widest, widest]
+    assert sorted(copied[1]) == sorted(copied[2]) == [widest]
 
 
 def _changed_after_forward(background_reductions: bool) -> RecordingSink:

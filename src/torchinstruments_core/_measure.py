@@ -314,16 +314,19 @@ class Measurer:
     ) -> tuple[Callable[[], None], torch.Tensor | None]:
         """Copy ``plain`` here, in the hook; return the job that reduces the copy, and its buffer.
 
-        The copy is flat and in the working dtype, in a buffer of the worker's (``buffer``),
-        unless ``plain`` is already flat in that dtype and either ``owned`` (nobody else holds
-        it) or ``shared`` (see ``measure``; its version is noted in ``measurement.shared``):
-        the model may change its own tensors in place as soon as the hook returns.
+        The copy is flat and in the working dtype, in a buffer of the worker's (``buffer``):
+        the model may change its own tensors in place as soon as the hook returns. A tensor
+        that is ``owned`` (nobody else holds it) or ``shared`` (see ``measure``; its version
+        is noted in ``measurement.shared``) is handed over as it is instead; if it is strided
+        or in a narrower dtype (bfloat16), the worker makes the flat working-dtype tensor the
+        reducers read (``PreparedTensor``), off the training thread.
         """
         dtype = working_dtype(plain.dtype)
         buffer = aliased = None  # what no result may keep reading: reused, or not ours
         with torch.no_grad():
-            if (owned or shared) and plain.dtype == dtype and plain.is_contiguous():
-                copy = plain.detach().reshape(-1)
+            if owned or shared:
+                flat = plain.dtype == dtype and plain.is_contiguous()
+                copy = plain.detach().reshape(-1) if flat else plain.detach()
                 if not owned:
                     measurement.shared = (plain, version(plain))
                     aliased = copy
