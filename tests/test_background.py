@@ -955,6 +955,56 @@ def test_a_strided_or_narrow_tensor_read_in_place_is_flattened_on_the_worker(
     assert copies == []
 
 
+@pytest.mark.parametrize("view", ["last token", "first rows"])
+def test_a_slice_of_a_larger_tensor_is_copied_not_held(monkeypatch: Any, view: str) -> None:
+    """Holding a slice would keep its whole base alive, past what the byte budget counts.
+
+    A last-token slice (strided) or the first rows (contiguous) of a 4 MiB activation is copied
+    in the hook: the worker holds 4 KiB, not 4 MiB.
+    """
+    base = torch.randn(32, 128, 256)
+    tensor = base[:, -1, :] if view == "last token" else base[:4].reshape(-1)[:1024]
+    copies: list[int] = []
+    buffer = ReductionWorker.buffer
+
+    def counted(self: ReductionWorker, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        copies.append(numel)
+        return buffer(self, numel, dtype)
+
+    monkeypatch.setattr(ReductionWorker, "buffer", counted)
+    measurer = Measurer(default_reducers(), HistogramReducer(), background=True)
+    try:
+        measurement = measurer.measure(tensor, with_histogram=False, shared=True)
+        assert measurement.shared is None
+        assert measurement.settle() is None
+        assert measurement.reason is None
+    finally:
+        measurer.close()
+    assert copies == [tensor.numel()]
+
+
+def test_a_result_viewing_the_workers_float32_copy_keeps_only_itself() -> None:
+    """A custom reducer's slice of a converted tensor does not keep the whole copy alive."""
+
+    class First:
+        metrics = ("first",)
+
+        def reduce(self, prepared: PreparedTensor) -> torch.Tensor:
+            return prepared.values[:1]
+
+    tensor = torch.randn(1 << 20).to(torch.bfloat16)
+    measurer = Measurer([First()], HistogramReducer(), background=True)
+    try:
+        measurement = measurer.measure(tensor, with_histogram=False, shared=True)
+        assert measurement.settle() is None
+        (result,) = measurement.results
+        assert result.values is not None
+        assert result.values.untyped_storage().nbytes() == 4
+        assert result.values.item() == tensor[0].float().item()
+    finally:
+        measurer.close()
+
+
 def test_strided_and_bfloat16_tensors_give_the_values_of_inline_reduction() -> None:
     """A model in bfloat16 whose outputs are transposed: the worker's rows are inline's."""
 

@@ -319,12 +319,15 @@ class Measurer:
         that is ``owned`` (nobody else holds it) or ``shared`` (see ``measure``; its version
         is noted in ``measurement.shared``) is handed over as it is instead; if it is strided
         or in a narrower dtype (bfloat16), the worker makes the flat working-dtype tensor the
-        reducers read (``PreparedTensor``), off the training thread.
+        reducers read (``PreparedTensor``), off the training thread. A shared tensor is copied
+        after all when its storage is larger than the copy would be (a slice of a larger
+        activation, such as the last token's): holding it would keep all of that alive, past
+        what the worker's byte budget counts.
         """
         dtype = working_dtype(plain.dtype)
         buffer = aliased = None  # what no result may keep reading: reused, or not ours
         with torch.no_grad():
-            if owned or shared:
+            if owned or (shared and _storage_bytes(plain) <= plain.numel() * dtype.itemsize):
                 flat = plain.dtype == dtype and plain.is_contiguous()
                 copy = plain.detach().reshape(-1) if flat else plain.detach()
                 if not owned:
@@ -367,6 +370,11 @@ class Measurer:
                 measurement.results.append(self._run(reducer, prepared, measurement))
             if with_histogram:
                 self._run_histogram(prepared, measurement)
+        values, storage = prepared.values, plain.untyped_storage().data_ptr()
+        if values.is_cpu and values.untyped_storage().data_ptr() != storage:
+            # the flat working-dtype copy made here: a result that views it (a custom reducer's
+            # slice) must not keep all of it alive until the sample is delivered
+            _unalias(measurement, values)
 
     def _run(
         self, reducer: Reducer, prepared: PreparedTensor, measurement: Measurement
@@ -403,6 +411,11 @@ class Measurer:
             generator.manual_seed(self._seed)
             self._generators[device] = generator
         return generator
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    """The bytes of the storage ``tensor`` keeps alive (all of it, for a view)."""
+    return int(tensor.untyped_storage().nbytes())
 
 
 def _on_device(scale: float | torch.Tensor, tensor: torch.Tensor) -> float | torch.Tensor:
