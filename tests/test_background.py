@@ -921,6 +921,19 @@ def _values(measurement: Any) -> list[Any]:
     ]
 
 
+def _hook_copies(monkeypatch: Any) -> list[int]:
+    """The sizes of the copies the hooks make into the worker's buffers, as they are made."""
+    copies: list[int] = []
+    buffer = ReductionWorker.buffer
+
+    def counted(self: ReductionWorker, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        copies.append(numel)
+        return buffer(self, numel, dtype)
+
+    monkeypatch.setattr(ReductionWorker, "buffer", counted)
+    return copies
+
+
 @pytest.mark.parametrize("kind", ["strided", "bfloat16"])
 def test_a_strided_or_narrow_tensor_read_in_place_is_flattened_on_the_worker(
     monkeypatch: Any, kind: str
@@ -933,14 +946,7 @@ def test_a_strided_or_narrow_tensor_read_in_place_is_flattened_on_the_worker(
     tensor = base.t() if kind == "strided" else base.to(torch.bfloat16)
     inline = Measurer(default_reducers(), HistogramReducer(), background=False)
     expected = _values(inline.measure(tensor, with_histogram=True, shared=True))
-    copies: list[int] = []
-    buffer = ReductionWorker.buffer
-
-    def counted(self: ReductionWorker, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        copies.append(numel)
-        return buffer(self, numel, dtype)
-
-    monkeypatch.setattr(ReductionWorker, "buffer", counted)
+    copies = _hook_copies(monkeypatch)
     measurer = Measurer(default_reducers(), HistogramReducer(), background=True)
     try:
         measurement = measurer.measure(tensor, with_histogram=True, shared=True)
@@ -964,14 +970,7 @@ def test_a_slice_of_a_larger_tensor_is_copied_not_held(monkeypatch: Any, view: s
     """
     base = torch.randn(32, 128, 256)
     tensor = base[:, -1, :] if view == "last token" else base[:4].reshape(-1)[:1024]
-    copies: list[int] = []
-    buffer = ReductionWorker.buffer
-
-    def counted(self: ReductionWorker, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        copies.append(numel)
-        return buffer(self, numel, dtype)
-
-    monkeypatch.setattr(ReductionWorker, "buffer", counted)
+    copies = _hook_copies(monkeypatch)
     measurer = Measurer(default_reducers(), HistogramReducer(), background=True)
     try:
         measurement = measurer.measure(tensor, with_histogram=False, shared=True)
