@@ -94,7 +94,7 @@ class _Held:
     """The rows as the long table (``sample_history``); ``None`` if it could not be built."""
 
 
-def _rows(samples: Iterable[SampleRecord]) -> list[int]:
+def _row_counts(samples: Iterable[SampleRecord]) -> list[int]:
     return [len(sample.rows) for sample in samples]
 
 
@@ -175,7 +175,7 @@ class ChunkWriter:
         leftovers = self._drain()  # queued after the writer died, or never reached by it
         if leftovers:
             with self._lock:
-                self._report.losses.add(_rows(leftovers), self._death_reason())
+                self._report.losses.add(_row_counts(leftovers), self._death_reason())
         return self._report
 
     def _enqueue(self, item: object) -> bool:
@@ -353,7 +353,7 @@ class ChunkWriter:
             )
         leftovers = self._drain()
         with self._lock:
-            self._report.losses.add(_rows(leftovers), reason)
+            self._report.losses.add(_row_counts(leftovers), reason)
 
     def _drain(self) -> list[SampleRecord]:
         drained: list[SampleRecord] = []
