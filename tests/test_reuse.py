@@ -7,6 +7,8 @@ tensor: measuring it again would give the very same values.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -247,3 +249,48 @@ def test_a_late_site_of_a_closed_sample_leaves_a_held_measurement_to_the_closer(
     assert finished == []
     assert sample.settle() is None
     assert finished == ["finished"]
+
+
+def test_a_hugging_face_models_zero_dropouts_reuse_the_layer_before(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A BERT with random weights and dropout 0, into a real run directory (Parquet).
+
+    Each ``...attention.output.dropout`` returns the dense layer's output: its rows, read back
+    from ``history.parquet``, are the dense layer's, output and gradient, and fewer tensors
+    are reduced than there are sites.
+    """
+    transformers = pytest.importorskip("transformers")
+    import polars as pl
+
+    measured = _measured(monkeypatch)
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).train()
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    with inject_observer(model, sampler=AlwaysSampler(), output_dir=tmp_path / "run"):
+        model(input_ids=tokens).last_hidden_state.square().mean().backward()
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    site = ("layer", "call_index", "signal", "tensor_path")
+    reduced = history.filter(pl.col("unavailable_reason").fill_null("") != "no_gradient")
+    sites = reduced.select(site).unique().height
+    # each block's two dropouts after a dense layer: output and gradient, not reduced again
+    assert 0 < len(measured) <= sites - 2 * 2 * 2
+
+    def rows(layer: str) -> list[tuple[str, str, float | None]]:
+        picked = history.filter(pl.col("layer") == layer).sort("signal", "metric")
+        return list(zip(picked["signal"], picked["metric"], picked["value"], strict=True))
+
+    for block in range(2):
+        dense = rows(f"encoder.layer.{block}.attention.output.dense")
+        assert {signal for signal, _, _ in dense} == {"output", "output_gradient"}
+        assert rows(f"encoder.layer.{block}.attention.output.dropout") == dense
