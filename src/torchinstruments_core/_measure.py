@@ -370,8 +370,8 @@ class Measurer:
                 measurement.results.append(self._run(reducer, prepared, measurement))
             if with_histogram:
                 self._run_histogram(prepared, measurement)
-        values, storage = prepared.values, plain.untyped_storage().data_ptr()
-        if values.is_cpu and values.untyped_storage().data_ptr() != storage:
+        values = prepared.values
+        if values.is_cpu and not _same_storage(values, plain):
             # the flat working-dtype copy made here: a result that views it (a custom reducer's
             # slice) must not keep all of it alive until the sample is delivered
             _unalias(measurement, values)
@@ -411,6 +411,11 @@ class Measurer:
             generator.manual_seed(self._seed)
             self._generators[device] = generator
         return generator
+
+
+def _same_storage(one: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether two tensors view the same memory."""
+    return bool(one.untyped_storage().data_ptr() == other.untyped_storage().data_ptr())
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:
