@@ -41,9 +41,18 @@ def _record(sample_id: int, *, rows: int = 3) -> SampleRecord:
 
 
 def test_sample_history_holds_every_row_in_order_with_the_schema() -> None:
-    """One sample's frame has the history schema, one row per ``StatRow``, values in order."""
+    """One sample's frame: one row per ``StatRow``, values in order, integer timestamps.
+
+    Its columns are the history schema's, but for ``timestamp``: microseconds since the epoch,
+    made datetimes once per chunk by ``history_frame``.
+    """
+    import polars as pl
+
     record = _record(4)
     frame = sample_history(record)
+    assert frame.schema == pl.Schema({**history_schema(), "timestamp": pl.Int64()})
+    assert frame["timestamp"].to_list() == [1_700_000_000_250_000] * 4
+    frame = history_frame([record], {record.sample_id: frame})
     assert frame.schema == history_schema()
     assert frame["layer"].to_list() == [row.layer for row in record.rows]
     assert frame["signal"].to_list() == [row.signal.value for row in record.rows]
