@@ -444,6 +444,81 @@ def test_by_default_the_worker_runs_only_where_a_core_is_free(monkeypatch: Any) 
     assert not measurer._in_background(torch.randn(8, device="meta"), None)
 
 
+def _submits_per_step(
+    monkeypatch: Any, model: nn.Module, batch: torch.Tensor, **options: Any
+) -> tuple[list[int], RecordingSink]:
+    """Jobs handed to the worker in each of three sampled steps, a core free (``None``)."""
+    import torchinstruments_core._measure as measure_module
+
+    monkeypatch.setattr(measure_module, "free_core", lambda: True)
+    counts: list[int] = []
+    submit = ReductionWorker.submit
+
+    def counted(self: ReductionWorker, *args: Any, **kwargs: Any) -> int | None:
+        counts[-1] += 1
+        return submit(self, *args, **kwargs)
+
+    monkeypatch.setattr(ReductionWorker, "submit", counted)
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, **options) as observer:
+        for step in range(3):
+            counts.append(0)
+            observer.begin_step(step, sample=True)
+            model(batch).pow(2).mean().backward()
+            observer.end_step()
+    return counts, sink
+
+
+def test_a_small_sample_is_reduced_in_the_hooks_from_the_next_sample_on(monkeypatch: Any) -> None:
+    """After a forward sample of at most ``SMALL_SAMPLE_ENTRIES`` entries, ``None`` means inline.
+
+    The first sample goes to the worker (nothing is known yet); the next ones, of the same
+    small model, are reduced in the hooks, with the same values. ``True`` keeps the worker.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    batch = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    counts, sink = _submits_per_step(monkeypatch, model, batch)
+    assert counts[0] > 0
+    assert counts[1:] == [0, 0]
+    forced, forced_sink = _submits_per_step(monkeypatch, model, batch, background_reductions=True)
+    assert forced[0] == forced[1] == forced[2] > 0
+    assert [s.rows for s in sink.samples] == [s.rows for s in forced_sink.samples]
+
+
+def test_a_sample_past_the_small_size_keeps_the_worker(monkeypatch: Any) -> None:
+    """A model whose sample measures more than ``SMALL_SAMPLE_ENTRIES`` entries stays on it."""
+    from torchinstruments_core._measure import SMALL_SAMPLE_ENTRIES
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 4096), nn.Linear(4096, 4))
+    batch = torch.randn(128, 16, generator=torch.Generator().manual_seed(1))
+    assert SMALL_SAMPLE_ENTRIES < 2 * 128 * 4096  # the first output and its gradient alone
+    counts, _ = _submits_per_step(monkeypatch, model, batch)
+    assert all(count >= 4 for count in counts)
+
+
+def test_the_size_of_a_sample_decides_only_at_the_start_of_the_next_forward_sample() -> None:
+    """``new_sample(forward=True)`` decides from what was measured since the last one started.
+
+    A step record's ``new_sample()`` neither decides nor forgets: its tensors count towards the
+    forward sample they follow.
+    """
+    measurer = Measurer(default_reducers(), HistogramReducer())
+    measurer.measure(torch.randn(1000), with_histogram=False)
+    measurer.new_sample(forward=True)
+    assert measurer._small
+    measurer.measure(torch.randn(1000), with_histogram=False)
+    measurer.new_sample()  # a step record closing
+    measurer.measure(torch.randn(2**19), with_histogram=False)
+    assert measurer._small  # decided at forward starts only
+    measurer.new_sample(forward=True)
+    assert not measurer._small  # 1,000 + 2**19 entries since the last forward start
+    measurer.new_sample(forward=True)
+    assert not measurer._small  # nothing measured on the CPU: keep the worker
+    measurer.close()
+
+
 def test_the_worker_runs_jobs_in_order_and_survives_a_failing_job() -> None:
     """FIFO order, ``wait`` returns when all ran, a raising job does not stop the thread."""
     worker = ReductionWorker()

@@ -182,7 +182,7 @@ class SampleLifecycle:
         self._close_released()
         self._delivery.drain(wait=False)
         self._sink.open()
-        self._measurer.new_sample()
+        self._measurer.new_sample(forward=True)
         scale = self._scale.read()
         with self._lock:
             sample = Sample(self.next_sample_id, step, time.time(), scale)

@@ -136,8 +136,8 @@ class TelemetryOptions:
             ``inject_observer(profile=True)``; on CUDA it resets the allocator's peak statistic
             in sampled steps (see the README).
         background_reductions: On the CPU, reduce sampled tensors on a worker thread while
-            the model computes (``None``: where torch's threads leave a core free), as
-            ``inject_observer(background_reductions=...)``.
+            the model computes (``None``: where torch's threads leave a core free and samples
+            are not small), as ``inject_observer(background_reductions=...)``.
         histogram_selector: Deprecated name of ``focus_selector`` (warns; ``None`` after the
             constructor).
         max_histogram_modules: Deprecated name of ``max_focus_layers`` (warns; ``None`` after
