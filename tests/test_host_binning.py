@@ -205,3 +205,31 @@ def test_edges_searched_together_equal_edges_searched_one_by_one(
         alone = [_edges.histogram_edges(*grid, bins, float64=float64) for grid in grids]
         assert np.array_equal(np.array(together), np.array(alone), equal_nan=True), bins
         assert all(math.isnan(edge) for edge in together[0])
+
+
+@pytest.mark.parametrize("bins", [1, 64, 127, 1000])
+def test_small_tensors_count_by_one_bincount_with_the_same_counts(
+    bins: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to ``DIRECT_ENTRIES`` entries one ``np.bincount`` counts the bins; past it, the keys.
+
+    At both sides of the boundary the packed result equals the torch path's bit for bit, on
+    ReLU-like data with ties on the histogram's edges.
+    """
+    from torchinstruments_core.reducers import _host_binning
+
+    taken: list[str] = []
+    for name in ("_count_directly", "_count_with_keys"):
+        real = getattr(_host_binning, name)
+
+        def spy(*args: object, _real: object = real, _name: str = name) -> object:
+            taken.append(_name)
+            return _real(*args)  # type: ignore[operator]
+
+        monkeypatch.setattr(_host_binning, name, spy)
+    for numel in (_host_binning.DIRECT_ENTRIES, _host_binning.DIRECT_ENTRIES + 1, 3):
+        values = _relu_like(numel, np.float32, bins)
+        tensor = torch.from_numpy(values)
+        packed = host_histogram_counts(tensor, values.min(), values.max(), bins, 2**20)
+        assert torch.equal(packed, _torch_path(tensor, bins))
+    assert taken == ["_count_directly", "_count_with_keys", "_count_directly"]

@@ -27,6 +27,12 @@ BLOCK = HOST_BLOCK // 2
 statistics block keeps binning's working set in the L2 cache (5 % faster than a whole one)."""
 
 
+DIRECT_ENTRIES = 8192
+"""Entries up to which one ``np.bincount`` counts the bins: the lanes and pairs of ``_bin_keys``
+pay on large tensors and cost more than they save on small ones (4,096 entries: 28 µs against
+75 µs; 256: 20 against 61). The counts are the same either way: those of the same bins."""
+
+
 class HostGrid(NamedTuple):
     """``_binning._Grid``'s numbers as numpy scalars of the working dtype."""
 
@@ -91,18 +97,10 @@ def host_histogram_counts(
     entries: NDArray[np.floating] = values.numpy()
     dtype = entries.dtype.type
     grid = host_grid(lo, hi, bins, dtype)
-    keys = bin_keys(bins, entries.size)
-    block = min(chunk_size, BLOCK)
-    span = min(chunk_size, entries.size)
-    # one more entry than a span, to complete the last pair of an odd span
-    scratch = _Scratch(np.empty(min(block, span), dtype), np.empty(span + 1, keys.dtype))
-    pattern = lane_pattern(keys, block)
-    table = np.zeros(keys.size, dtype=np.int64)
-    padding = 0
-    for start in range(0, entries.size, span):
-        part = entries[start : start + span]
-        padding += _count_span(part, grid, keys, scratch, pattern, table)
-    binned = keys.counts(table, padding)
+    if entries.size <= DIRECT_ENTRIES:
+        binned = _count_directly(entries, grid, bins)
+    else:
+        binned = _count_with_keys(entries, grid, bins, chunk_size)
     packed = np.empty(bins + 4, dtype=dtype)
     packed[:3] = (grid.lo, grid.hi, grid.scale)
     packed[3 : 2 + bins] = binned[: bins - 1]
@@ -110,6 +108,31 @@ def host_histogram_counts(
     packed[2 + bins] = binned[bins - 1] + binned[bins]
     packed[3 + bins] = 0
     return torch.from_numpy(packed)
+
+
+def _count_directly(entries: NDArray[np.floating], grid: HostGrid, bins: int) -> NDArray[np.int64]:
+    """The ``bins + 1`` counts of a small tensor's bins (the top one apart), by one bincount."""
+    found = np.empty(entries.size, dtype=np.intp)
+    _bins(entries, grid, np.empty(entries.size, entries.dtype), found)
+    return np.bincount(found, minlength=bins + 1)
+
+
+def _count_with_keys(
+    entries: NDArray[np.floating], grid: HostGrid, bins: int, chunk_size: int
+) -> NDArray[np.int64]:
+    """The ``bins + 1`` counts of a tensor's bins, block by block, through ``_bin_keys``."""
+    keys = bin_keys(bins, entries.size)
+    block = min(chunk_size, BLOCK)
+    span = min(chunk_size, entries.size)
+    # one more entry than a span, to complete the last pair of an odd span
+    scratch = _Scratch(np.empty(min(block, span), entries.dtype), np.empty(span + 1, keys.dtype))
+    pattern = lane_pattern(keys, block)
+    table = np.zeros(keys.size, dtype=np.int64)
+    padding = 0
+    for start in range(0, entries.size, span):
+        part = entries[start : start + span]
+        padding += _count_span(part, grid, keys, scratch, pattern, table)
+    return keys.counts(table, padding)
 
 
 def _count_span(
