@@ -498,6 +498,56 @@ def test_a_sample_past_the_small_size_keeps_the_worker(monkeypatch: Any) -> None
     assert all(count >= 4 for count in counts)
 
 
+def test_switching_between_the_hooks_and_the_worker_keeps_the_values(monkeypatch: Any) -> None:
+    """Samples that alternate in size switch between the two, with the values of either alone.
+
+    Tensors past 8,192 entries draw their quartiles' subsample: a sample reduced in the hooks
+    while the previous one's jobs are still queued waits for them before drawing. Two samples
+    share each backward, an in-place ReLU follows the first layer, and the optimizer's step
+    records are measured too.
+    """
+    import torchinstruments_core._measure as measure_module
+
+    monkeypatch.setattr(measure_module, "free_core", lambda: True)
+    batches = [64, 2048, 64, 64, 2048, 2048, 64, 128]
+
+    def run(background_reductions: bool | None) -> tuple[RecordingSink, list[int]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(inplace=True), nn.Linear(256, 256))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        generator = torch.Generator().manual_seed(1)
+        sink, submitted = RecordingSink(), []
+        with inject_observer(
+            model,
+            sampler=AlwaysSampler(),
+            sink=sink,
+            optimizer=optimizer,
+            background_reductions=background_reductions,
+        ) as observer:
+            worker = observer._config.measurer._worker
+            for step, batch in enumerate(batches):
+                before = worker._submitted
+                observer.begin_step(step, sample=True)
+                first = model(torch.randn(batch, 64, generator=generator))
+                second = model(torch.randn(batch, 64, generator=generator))
+                (first.pow(2).mean() + second.pow(2).mean()).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                observer.end_step()
+                submitted.append(worker._submitted - before)
+        return sink, submitted
+
+    inline, never = run(False)
+    assert never == [0] * len(batches)
+    for choice in (None, True):
+        sink, submitted = run(choice)
+        assert [s.rows for s in sink.samples] == [s.rows for s in inline.samples]
+        assert [s.histograms for s in sink.samples] == [s.histograms for s in inline.samples]
+        if choice is None:  # some steps in the hooks, some on the worker
+            assert 0 in submitted
+            assert max(submitted) > 0
+
+
 def test_the_size_of_a_sample_decides_only_at_the_start_of_the_next_forward_sample() -> None:
     """``new_sample(forward=True)`` decides from what was measured since the last one started.
 

@@ -140,13 +140,13 @@ def inject_observer(
             while the model computes, from a copy taken in the hook (a gradient, which autograd
             only reads, or an output that an earlier forward left unchanged, from the tensor
             itself): ``None`` (default) where torch's intra-op threads leave a core free
-            (``torch.get_num_threads()`` below the cores this process may use) and the previous
-            sample measured more than 512 Ki CPU entries (a smaller one's reductions are mostly
-            Python, which the worker cannot overlap with the model: it is reduced in the
-            hooks), ``True`` always, ``False`` never. The values are the same either way, but
-            for a tensor read without a copy that the model's code changes in place before
-            that was checked (at the
-            thread's next hook, or when the sample closes): that sample has no values for it
+            (``torch.get_num_threads()`` below the cores this process may use), except after a
+            small sample (at most 512 Ki CPU entries measured from its start to the next
+            sample's, whose reductions are mostly Python the worker cannot overlap with the
+            model: the next sample is reduced in the hooks); ``True`` always, ``False`` never.
+            The values are the same either way, but for a tensor read without a copy that the
+            model's code changes in place before that was checked (at the thread's next hook,
+            or when the sample closes): that sample has no values for it
             (``modified_in_place``), and it is copied from then on. A write that bypasses
             torch's in-place operators (``.data``, a numpy view) is not seen. The tensors
             waiting for the worker hold at most the largest one so far (in float32) or 8 MiB,

@@ -38,8 +38,9 @@ if TYPE_CHECKING:
 _MAX_ERROR_TEXT = 200
 
 SMALL_SAMPLE_ENTRIES = 2**19
-"""With ``background=None``, a forward sample whose previous one measured at most this many CPU
-entries all told (512 Ki, 2 MiB of float32) is reduced in the hooks, not on the worker. A
+"""With ``background=None``, what is measured from one forward sample's start to the next's is
+reduced in the hooks, not on the worker, when the stretch before it measured at most this many
+CPU entries (512 Ki, 2 MiB of float32; the size is read one sample late). A
 tensor's reductions are then mostly Python (about 0.1-0.2 ms a tensor) that holds the GIL the
 training thread needs, so the worker overlaps little of them and adds its hand-overs: on an
 MNIST-sized MLP (784-256-128-10, batch 64, 11 tensors, about 200 k entries a sample) a sampled
@@ -170,8 +171,8 @@ class Measurer:
             never touched).
         background: Reduce CPU tensors on the reduction worker (``_background``): ``None``
             when torch's intra-op threads leave a core free (checked at each tensor) and the
-            previous forward sample was not small (``SMALL_SAMPLE_ENTRIES``), ``True`` always,
-            ``False`` never.
+            stretch before the current forward sample was not small (``SMALL_SAMPLE_ENTRIES``),
+            ``True`` always, ``False`` never.
     """
 
     def __init__(
@@ -201,8 +202,8 @@ class Measurer:
         A new mapping, not a cleared one: the worker's jobs of the previous sample keep theirs.
         The lists of shared tensors of threads that have none left are dropped. A ``forward``
         sample starting decides, from the CPU entries measured since the last one started
-        (its step records' included), whether it is reduced in the hooks
-        (``SMALL_SAMPLE_ENTRIES``).
+        (step records' included), whether what is measured until the next one starts is
+        reduced in the hooks (``SMALL_SAMPLE_ENTRIES``).
         """
         if forward:
             self._small = 0 < self._entries <= SMALL_SAMPLE_ENTRIES
