@@ -72,12 +72,13 @@ def _events(folder: pathlib.Path) -> list[Any]:
     return events
 
 
-def test_event_file_holds_the_events_summary_writer_writes(tmp_path: pathlib.Path) -> None:
-    """Through ``SummaryWriterTarget``, an EventFile and a SummaryWriter write the same events.
+def test_event_file_holds_the_values_summary_writer_writes(tmp_path: pathlib.Path) -> None:
+    """Through ``SummaryWriterTarget``, an EventFile and a SummaryWriter write the same values.
 
-    Scalars, histograms and text, at the same steps, byte for byte once the wall times are set
-    aside; the first event is the file version, naming this module as the writer. The file is
-    named like TensorBoard's.
+    Scalars, histograms and text, at the same steps and in the same order, byte for byte; the
+    values added at one step share one event (``SummaryWriter`` makes one per value). The first
+    event is the file version, naming this module as the writer. The file is named like
+    TensorBoard's.
     """
     from torch.utils.tensorboard import SummaryWriter
 
@@ -86,9 +87,34 @@ def test_event_file_holds_the_events_summary_writer_writes(tmp_path: pathlib.Pat
     ours, theirs = _events(tmp_path / "ours"), _events(tmp_path / "theirs")
     assert ours[0].file_version == theirs[0].file_version == "brain.Event:2"
     assert ours[0].source_metadata.writer == "torchinstruments_core.run_directory._event_file"
-    assert len(ours) == len(theirs) == 1 + 3 * 4 + 1
-    for mine, reference in itertools.islice(zip(ours, theirs, strict=True), 1, None):
-        assert mine.SerializeToString() == reference.SerializeToString()
+    assert len(theirs) == 1 + 3 * 4 + 1
+    assert [event.step for event in ours[1:]] == [0, 10, 20, 20]  # the text came after a flush
+
+    def values(events: list[Any]) -> list[tuple[int, bytes]]:
+        return [(e.step, v.SerializeToString()) for e in events[1:] for v in e.summary.value]
+
+    assert values(ours) == values(theirs)
+
+
+def test_every_value_of_a_shared_event_reaches_tensorboard(tmp_path: pathlib.Path) -> None:
+    """TensorBoard's reader gives each scalar and histogram of one event, at its step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventFile(tmp_path)
+    target = SummaryWriterTarget(events)
+    for step in (3, 4):
+        scalars = {"a/rms": 1.0 + step, "b/rms": 2.0 + step}
+        target.log(scalars, {"a/histogram": _histogram(step, 64)}, step)
+    events.close()
+    assert [event.step for event in _events(tmp_path)[1:]] == [3, 4]
+    accumulator = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "histograms": 0})
+    accumulator.Reload()
+    assert [(e.step, e.value) for e in accumulator.Scalars("a/rms")] == [(3, 4.0), (4, 5.0)]
+    assert [(e.step, e.value) for e in accumulator.Scalars("b/rms")] == [(3, 5.0), (4, 6.0)]
+    histograms = accumulator.Histograms("a/histogram")
+    assert [h.step for h in histograms] == [3, 4]
+    expected = [sum(_histogram(step, 64).counts) for step in (3, 4)]
+    assert [h.histogram_value.num for h in histograms] == expected
 
 
 def test_events_are_readable_at_each_flush(tmp_path: pathlib.Path) -> None:
