@@ -233,3 +233,15 @@ def test_small_tensors_count_by_one_bincount_with_the_same_counts(
         packed = host_histogram_counts(tensor, values.min(), values.max(), bins, 2**20)
         assert torch.equal(packed, _torch_path(tensor, bins))
     assert taken == ["_count_directly", "_count_with_keys", "_count_directly"]
+
+
+def test_a_grid_too_fine_for_float32_raises_instead_of_dropping_the_largest_entry() -> None:
+    """Millions of bins: float32 rounding can put the max past the last bin; that is an error.
+
+    The torch path and the keyed path fail there too; ``HistogramReducer`` allows 65,536 bins.
+    """
+    values = torch.tensor([-95.55243682861328, -89.88875579833984, -134.5279083251953])
+    values = torch.cat([values, torch.tensor([-73.3188705444336, -236.2941436767578])])
+    bins = 2**23 + 1
+    with pytest.raises(ValueError, match="past the last"):
+        host_histogram_counts(values, float(values.min()), float(values.max()), bins, 2**15)

@@ -5,8 +5,9 @@ than binning a 131,072-entry tensor. When the statistics pass has already read t
 max on the host (``PreparedTensor.host_summary``), this module does the same float operations
 on numpy scalars of the working dtype (bit for bit the same grid, so the same bins and edges)
 and bins with numpy arithmetic into preallocated buffers (no dispatch cost per call, no
-temporaries), counting with ``torch.bincount`` on a shared view (twice as fast as numpy's) of
-keys that pair neighbouring entries and spread repeats over lanes (``_bin_keys``).
+temporaries). Past ``DIRECT_ENTRIES`` entries it counts with ``torch.bincount`` on a shared view
+(twice as fast as numpy's) of keys that pair neighbouring entries and spread repeats over lanes
+(``_bin_keys``); up to it, one ``np.bincount`` of the bins is faster.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ statistics block keeps binning's working set in the L2 cache (5 % faster than a 
 
 DIRECT_ENTRIES = 8192
 """Entries up to which one ``np.bincount`` counts the bins: the lanes and pairs of ``_bin_keys``
-pay on large tensors and cost more than they save on small ones (4,096 entries: 28 µs against
-75 µs; 256: 20 against 61). The counts are the same either way: those of the same bins."""
+pay on large tensors and cost more than they save on small ones (64 bins, the whole
+``host_histogram_counts``: 28 µs against 75 µs at 4,096 entries, 20 against 61 at 256; the
+keys cost the most with many bins). The counts are the same either way: those of the same
+bins."""
 
 
 class HostGrid(NamedTuple):
@@ -80,16 +83,24 @@ def host_histogram_counts(
 ) -> torch.Tensor:
     """``histogram_counts`` of an all-finite flat CPU tensor whose min and max are known.
 
-    Bins are computed block by block (``BLOCK`` entries, in the L2 cache) into a buffer
-    of ``chunk_size`` entries, whose keys (``_bin_keys``) one ``torch.bincount`` counts.
+    Up to ``DIRECT_ENTRIES`` entries the bins are computed at once and one ``np.bincount``
+    counts them. Past it, they are computed block by block (``BLOCK`` entries, in the L2 cache)
+    into a buffer of ``chunk_size`` entries, whose keys (``_bin_keys``) one ``torch.bincount``
+    counts.
 
     Args:
         values: The flat float32 or float64 CPU tensor, every entry finite.
         lo: Its smallest entry.
         hi: Its largest entry.
         bins: Number of bins.
-        chunk_size: Entries whose bins are held and counted at once (one byte each up to 84
-            bins, or 127 for large tensors, two up to 10,921, else four).
+        chunk_size: Past ``DIRECT_ENTRIES``, entries whose bins are held and counted at once
+            (one byte each up to 84 bins, or 127 for large tensors, two up to 10,921, else
+            four).
+
+    Raises:
+        ValueError: If ``bins`` is so large that rounding in the float32 grid puts the
+            largest entry past the last bin (millions of bins; ``HistogramReducer`` allows
+            65,536), as the other ways of counting fail there too.
 
     Returns:
         The ``bins + 4`` packed values of ``histogram_counts``, in the working dtype.
@@ -114,7 +125,10 @@ def _count_directly(entries: NDArray[np.floating], grid: HostGrid, bins: int) ->
     """The ``bins + 1`` counts of a small tensor's bins (the top one apart), by one bincount."""
     found = np.empty(entries.size, dtype=np.intp)
     _bins(entries, grid, np.empty(entries.size, entries.dtype), found)
-    return np.bincount(found, minlength=bins + 1)
+    counts = np.bincount(found, minlength=bins + 1)
+    if counts.size > bins + 1:  # would be dropped from the packed counts without a word
+        raise ValueError(f"{bins} bins: the grid's rounding put the largest entry past the last")
+    return counts
 
 
 def _count_with_keys(

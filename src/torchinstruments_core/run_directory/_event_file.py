@@ -10,10 +10,10 @@ builders, in TensorBoard's framing (the length, its masked CRC-32C, the event, i
 CRC-32C), in a file named as TensorBoard names its files. Where ``SummaryWriter`` makes an
 event of every value, the values added one after another at the same step share one event,
 as TensorFlow's merged summaries do (TensorBoard reads each value of an event alike): a
-sample's scalars and histograms are one event instead of about sixty, a fifth of the protos
-and checksums. The events wait for ``flush``, which checksums them together and writes them in
-one call. The first event names this module as the writer. ``EventFile`` offers the part of
-``SummaryWriter`` that ``routing.SummaryWriterTarget`` calls.
+sample's scalars and histograms are one ``Summary`` and one ``Event`` with one checksum
+instead of about sixty of each. The events wait for ``flush``, which checksums them together
+and writes them in one call. The first event names this module as the writer. ``EventFile``
+offers the part of ``SummaryWriter`` that ``routing.SummaryWriterTarget`` calls.
 """
 
 from __future__ import annotations
@@ -128,7 +128,10 @@ class EventFile:
             self._file.close()
 
     def _add(self, values: Sequence[Any], step: int) -> None:
-        """Add ``values`` (``Summary.Value`` protos) to the open event, or one at ``step``."""
+        """Add ``values`` (``Summary.Value`` protos) to the open event, or to a new one at ``step``.
+
+        The values of one step share an event until another step's arrive or ``flush`` runs.
+        """
         step = int(step)
         if self._values and step != self._step:
             self._close_event()

@@ -14,9 +14,9 @@ rows name the parameter, with the metrics their signal's definition routes
 summaries ``telemetry/step/nonfinite_tensors`` and ``…/collection_duration_ms``. The step is the
 trainer's step when there is one, else the sample id.
 
-The file is an ``_event_file.EventFile``: the records a ``SummaryWriter`` would write, written
-and flushed by the run directory's writer thread at each sample, without TensorBoard's writer
-thread and its byte-by-byte checksum.
+The file is an ``_event_file.EventFile``: the values a ``SummaryWriter`` would write, one event
+per step instead of one per value, written and flushed by the run directory's writer thread at
+each sample, without TensorBoard's writer thread and its byte-by-byte checksum.
 """
 
 from __future__ import annotations
