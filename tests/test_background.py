@@ -555,18 +555,20 @@ def test_the_size_of_a_sample_decides_only_at_the_start_of_the_next_forward_samp
     forward sample they follow.
     """
     measurer = Measurer(default_reducers(), HistogramReducer())
+    decisions = []
     measurer.measure(torch.randn(1000), with_histogram=False)
     measurer.new_sample(forward=True)
-    assert measurer._small
+    decisions.append(measurer._small)  # small: in the hooks
     measurer.measure(torch.randn(1000), with_histogram=False)
     measurer.new_sample()  # a step record closing
     measurer.measure(torch.randn(2**19), with_histogram=False)
-    assert measurer._small  # decided at forward starts only
+    decisions.append(measurer._small)  # decided at forward starts only
     measurer.new_sample(forward=True)
-    assert not measurer._small  # 1,000 + 2**19 entries since the last forward start
+    decisions.append(measurer._small)  # 1,000 + 2**19 entries since the last forward start
     measurer.new_sample(forward=True)
-    assert not measurer._small  # nothing measured on the CPU: keep the worker
+    decisions.append(measurer._small)  # nothing measured on the CPU: keep the worker
     measurer.close()
+    assert decisions == [True, True, False, False]
 
 
 def test_the_worker_runs_jobs_in_order_and_survives_a_failing_job() -> None:
