@@ -44,8 +44,9 @@ CPU entries (512 Ki, 2 MiB of float32; the size is read one sample late). A
 tensor's reductions are then mostly Python (about 0.1-0.2 ms a tensor) that holds the GIL the
 training thread needs, so the worker overlaps little of them and adds its hand-overs: on an
 MNIST-sized MLP (784-256-128-10, batch 64, 11 tensors, about 200 k entries a sample) a sampled
-step cost 5.1x with the worker and 4.6x in the hooks; at batch 1024 (3.2 M entries) 1.5x and
-2.0x. The workloads of ``benchmarks/`` (2-12 M entries a sample) keep the worker."""
+step cost 4.4-5.1x with the worker and 4.5-4.6x in the hooks over five runs, in the hooks the
+less in four; at batch 1024 (3.2 M entries) 1.5x and 2.0x. The workloads of ``benchmarks/``
+(2-12 M entries a sample) keep the worker."""
 
 
 @dataclass(slots=True)
