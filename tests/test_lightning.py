@@ -401,3 +401,47 @@ def test_the_reduction_worker_gives_lightning_the_same_values(
     assert found[True][0].equals(found[False][0])
     assert found[True][1] == found[False][1]
     assert [step for step, _ in found[True][1]] == [0, 2, 4]
+
+
+def test_a_small_model_leaves_the_worker_after_its_first_sample(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BoringModel under a real Trainer, a core free, ``background_reductions=None`` (default).
+
+    Its samples are small (``SMALL_SAMPLE_ENTRIES``): the first goes to the worker, the later
+    ones are reduced in the hooks; the history equals the one reduced in the hooks throughout.
+    """
+    import torchinstruments_core._measure as measure_module
+
+    monkeypatch.setattr(measure_module, "free_core", lambda: True)
+    per_sample: list[int] = []
+    submit, new_sample = ReductionWorker.submit, Measurer.new_sample
+
+    def counted(self: ReductionWorker, nbytes: int, make: Any) -> int | None:
+        per_sample[-1] += 1
+        return submit(self, nbytes, make)
+
+    def starting(self: Measurer, *, forward: bool = False) -> None:
+        if forward:
+            per_sample.append(0)
+        new_sample(self, forward=forward)
+
+    monkeypatch.setattr(ReductionWorker, "submit", counted)
+    monkeypatch.setattr(Measurer, "new_sample", starting)
+    found = {}
+    for background in (None, False):
+        root = tmp_path / str(background)
+        per_sample.clear()
+        pl.seed_everything(0)
+        monitor = TelemetryMonitor(every_n_steps=2, background_reductions=background)
+        trainer(root, max_steps=6, callbacks=[monitor], limit_val_batches=0).fit(BoringModel())
+        if background is None:
+            assert len(per_sample) == 3
+            assert per_sample[0] > 0
+            assert per_sample[1:] == [0, 0]
+        history = _history(root).sort(["step", "layer", "signal", "tensor_path", "metric"])
+        found[background] = history.select(
+            ["step", "layer", "signal", "tensor_path", "metric", "value"]
+        )
+    assert found[None].height > 0
+    assert found[None].equals(found[False])
