@@ -273,11 +273,12 @@ class Measurer:
             return Measurement(reducer_error_reason(error), self.metrics, errors=[error])
         if isinstance(plain, UnavailableReason):
             return Measurement(reason=plain, metrics=self.metrics)
-        if plain.device.type == "cpu":
+        on_cpu = plain.device.type == "cpu"
+        if on_cpu:
             self._entries += plain.numel()
         measurement = Measurement(None, self.metrics, changed=changed)
         if not self._in_background(plain, scale):
-            if plain.device.type == "cpu":
+            if on_cpu:
                 self._worker.wait()  # its draws come first: the same values as all inline
             self._fill(plain, measurement, with_histogram, self._index_cache, plain.dtype)
             return measurement
