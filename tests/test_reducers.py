@@ -19,7 +19,7 @@ from torchinstruments_core.reducers import (
     Reducer,
     default_reducers,
 )
-from torchinstruments_core.reducers._host import HOST_BLOCK
+from torchinstruments_core.reducers._host import HOST_BLOCK, host_count, host_values, summarize
 from torchinstruments_core.reducers._scaling import power_of_two_scale
 from torchinstruments_core.reducers.functional import (
     MOMENT_METRICS,
@@ -380,6 +380,61 @@ def test_host_shortcuts_match_the_device_path(case: str, dtype: torch.dtype) -> 
         np.testing.assert_array_equal(
             quantiles(host, **kwargs).numpy(), quantiles(device, **kwargs).numpy()
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_host_values_round_as_torch_tensor_does(dtype: torch.dtype) -> None:
+    """The worker's results, built by numpy, are bit for bit what ``torch.tensor`` builds.
+
+    Doubles between two floats round to nearest (ties to even), subnormals and the largest
+    float included; the count is the 0-d int64 tensor ``torch.full`` makes.
+    """
+    generator = np.random.default_rng(4)
+    values = [
+        *generator.normal(size=200).tolist(),
+        *(generator.normal(size=50) * 1e-40).tolist(),  # float32 subnormals
+        0.1,
+        1 / 3,
+        -0.0,
+        1e-46,
+        3.4028234663852886e38,
+        1 + 2**-24,
+        1 + 3 * 2**-24,
+        math.nan,
+        math.inf,
+        -math.inf,
+    ]
+    built, expected = host_values(values, dtype), torch.tensor(values, dtype=dtype)
+    assert built.dtype == expected.dtype
+    assert built.shape == expected.shape
+    assert built.view(torch.int32 if dtype == torch.float32 else torch.int64).tolist() == (
+        expected.view(torch.int32 if dtype == torch.float32 else torch.int64).tolist()
+    )
+    count = host_count(300_007)
+    assert torch.equal(count, torch.full((), 300_007, dtype=torch.int64))
+    assert count.shape == ()
+    assert count.dtype == torch.int64
+
+
+def test_a_flat_working_dtype_tensor_is_reduced_where_it_lies() -> None:
+    """A flat float32 tensor without autograd is used as it is (no torch call, no copy).
+
+    Its results equal those of the same values given as a 2-D tensor and as one that requires
+    grad, which are flattened and detached; the single-block pass equals a blocked one.
+    """
+    generator = torch.Generator().manual_seed(9)
+    flat = torch.randn(4096, generator=generator)
+    prepared = PreparedTensor(flat, torch.Generator().manual_seed(1))
+    assert prepared.values is flat
+    others = (flat.reshape(64, 64), flat.clone().requires_grad_())
+    for other in others:
+        again = PreparedTensor(other, torch.Generator().manual_seed(1))
+        assert again.values is not other
+        assert not again.values.requires_grad
+        for reducer in (*default_reducers(), HistogramReducer(bins=32)):
+            assert torch.equal(reducer.reduce(again), reducer.reduce(prepared))
+    strided = torch.randn(2 * 4096, generator=generator)[::2]  # flat, not contiguous
+    assert summarize(strided) == summarize(strided.contiguous())
 
 
 def test_moments_of_millions_of_entries_are_accurate() -> None:

@@ -466,13 +466,14 @@ def _checked(values: object, size: int) -> torch.Tensor:
     """
     if type(values) is not torch.Tensor:
         raise TypeError(f"a reducer returned {type(values).__name__}, not a plain torch.Tensor")
-    if values.is_meta or values.is_complex() or values.layout != torch.strided:
+    if values.is_meta or values.dtype.is_complex or values.layout != torch.strided:
         raise TypeError(
             f"a reducer returned a {values.dtype} {values.layout} tensor on {values.device}"
         )
     if values.numel() != size:
         raise ValueError(f"a reducer returned {values.numel()} values for {size} metrics")
-    return values.reshape(-1)
+    # a torch call releases the GIL on the worker (``_host.host_values``): none where not needed
+    return values if values.dim() == 1 else values.reshape(-1)
 
 
 def _forget_frames(error: BaseException) -> None:

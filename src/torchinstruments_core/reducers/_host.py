@@ -9,10 +9,18 @@ gradients of a training step that is about 1.5x faster than whole-tensor passes.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+_NUMPY_DTYPES: dict[torch.dtype, type[np.floating]] = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+}
 
 HOST_BLOCK = 2**17
 """Entries per block: 512 KiB of float32 stays in L2, and float32 partial sums stay accurate
@@ -46,10 +54,14 @@ def summarize(values: torch.Tensor) -> HostSummary | None:
     total = squares = 0.0
     lo, hi = math.inf, -math.inf
     zeros = 0
-    for start in range(0, values.numel(), HOST_BLOCK):
+    numel = values.numel()
+    for start in range(0, numel, HOST_BLOCK):
         # a strided block (an expanded gradient) loses ~25x accuracy in torch.dot; the copy is
-        # an in-cache 512 KiB and free when the block is contiguous
-        block = values[start : start + HOST_BLOCK].contiguous()
+        # an in-cache 512 KiB. Slicing and ``contiguous`` are asked for only where they do
+        # something: each torch call releases the GIL (see ``host_values``).
+        block = values if numel <= HOST_BLOCK else values[start : start + HOST_BLOCK]
+        if not block.is_contiguous():
+            block = block.contiguous()
         part = block.sum().item()
         if not math.isfinite(part):  # a finite sum proves every entry of the block finite
             return None
@@ -64,3 +76,20 @@ def summarize(values: torch.Tensor) -> HostSummary | None:
         # most where zeros and nonzeros mix (ReLU, dropout)
         zeros += int(np.count_nonzero(entries == 0))
     return HostSummary(total, squares, lo, hi, zeros)
+
+
+def host_values(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D CPU tensor of ``values`` rounded to ``dtype`` (float32 or float64), built by numpy.
+
+    The same values as ``torch.tensor(values, dtype=dtype)`` (both round to nearest), without a
+    torch call: on the reduction worker every torch call releases the GIL and takes it back,
+    and each time it does, the training thread, whose own operations need the GIL once they
+    end, may have to win it back (``benchmarks/gil_handoff.py``). A reduction's small calls
+    cost the training thread more than their own time.
+    """
+    return torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype]))
+
+
+def host_count(count: int) -> torch.Tensor:
+    """A 0-d int64 CPU tensor of ``count``, as ``torch.full`` makes it, without a torch call."""
+    return torch.from_numpy(np.array(count, dtype=np.int64))

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload, run
 
 import torch
 
-from torchinstruments_core.reducers._host import HostSummary, summarize
+from torchinstruments_core.reducers._host import HostSummary, host_count, summarize
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -79,7 +79,11 @@ class PreparedTensor:
         index_cache: dict[tuple[torch.device, int, int], torch.Tensor] | None = None,
     ) -> None:
         self.source_dtype = tensor.dtype
-        values = tensor.detach().reshape(-1).to(working_dtype(tensor.dtype))
+        dtype = working_dtype(tensor.dtype)
+        if tensor.dim() == 1 and tensor.dtype == dtype and not tensor.requires_grad:
+            values = tensor  # flat already (the worker's copies): no torch call, no GIL hand-over
+        else:
+            values = tensor.detach().reshape(-1).to(dtype)
         # a lazily negated view (``z.conj().imag``) has no numpy view for the host passes
         self.values = values.resolve_neg() if values.is_neg() else values
         self.numel = self.values.numel()
@@ -122,8 +126,8 @@ class PreparedTensor:
     @_cached
     def n_finite(self) -> torch.Tensor:
         """Number of finite entries, a 0-d int64 tensor (exact past 2**24 elements)."""
-        if self.all_finite:
-            return torch.full((), self.numel, dtype=torch.int64, device=self.device)
+        if self.all_finite:  # only ever true on the CPU
+            return host_count(self.numel)
         return torch.count_nonzero(self.finite)
 
     @_cached

@@ -28,6 +28,7 @@ from torchinstruments_core.reducers._binning import (
     histogram_counts,
     split_histogram,
 )
+from torchinstruments_core.reducers._host import host_values
 from torchinstruments_core.reducers._scaling import power_of_two_scale, squares_are_safe
 from torchinstruments_core.reducers._select import order_statistics
 from torchinstruments_core.reducers.base import CHUNK_SIZE
@@ -119,7 +120,7 @@ def _host_moments(prepared: PreparedTensor, chunk_size: int) -> torch.Tensor | N
         max_abs,
         math.sqrt(summary.squares),  # the blocked dot products: squares_are_safe bounds them
     ]
-    return torch.tensor(values, dtype=prepared.values.dtype)
+    return host_values(values, prepared.values.dtype)
 
 
 def _chunk_partial(chunk: torch.Tensor, mask: torch.Tensor | None, scale: torch.Tensor) -> _Partial:
@@ -352,7 +353,7 @@ def _host_quantiles(sample: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
     position are read, from numpy's sort of the subsample or, past 18,432 entries, a selection
     that never sorts it whole (``_select.order_statistics``).
     """
-    values = sample.contiguous().numpy()
+    values = (sample if sample.is_contiguous() else sample.contiguous()).numpy()
     last = values.size - 1
     positions = [last * q for q in qs]
     belows = [min(math.floor(position), last) for position in positions]
@@ -370,7 +371,7 @@ def _host_quantiles(sample: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
                 result.append(half * 2)
             else:
                 result.append(high - span * (1 - gamma) if gamma >= 0.5 else low + span * gamma)
-    return torch.tensor(result, dtype=sample.dtype)
+    return host_values(result, sample.dtype)
 
 
 def _sort(values: torch.Tensor) -> torch.Tensor:
