@@ -64,8 +64,9 @@ class PreparedTensor:
     """A dense, non-empty floating tensor, flattened to its working dtype, with shared derivations.
 
     Args:
-        tensor: A dense floating-point tensor with at least one element. It is detached and never
-            modified.
+        tensor: A dense floating-point tensor with at least one element, never modified.
+            ``values`` is ``tensor`` itself when it is a plain 1-D tensor in its working dtype
+            that does not require grad, else a detached flat view or copy of it.
         generator: Random source for subsampling, on the tensor's device. A private generator keeps
             the model's own random stream untouched.
         index_cache: Where ``random_index`` keeps its draws, shared by the tensors of one sample
@@ -80,7 +81,12 @@ class PreparedTensor:
     ) -> None:
         self.source_dtype = tensor.dtype
         dtype = working_dtype(tensor.dtype)
-        if tensor.dim() == 1 and tensor.dtype == dtype and not tensor.requires_grad:
+        if (
+            type(tensor) is torch.Tensor
+            and tensor.dim() == 1
+            and tensor.dtype == dtype
+            and not tensor.requires_grad
+        ):
             values = tensor  # flat already (the worker's copies): no torch call, no GIL hand-over
         else:
             values = tensor.detach().reshape(-1).to(dtype)
