@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchinstruments_core import (
     AlwaysSampler,
@@ -1862,3 +1863,56 @@ def test_a_sample_opened_for_a_step_settles_at_the_end_of_its_backward() -> None
         output.sum().backward()
         assert len(sink.samples) == 1
         assert sink.samples[0].step == 7
+
+
+class _RecordedOps(TorchDispatchMode):
+    """The torch operations dispatched on this thread while active (the mode is thread-local)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[object] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _settled_values(measurement: Any) -> list[list[float]]:
+    assert measurement.settle() is None
+    measurement.let_go()
+    assert measurement.reason is None
+    return [result.values.tolist() for result in measurement.results] + [
+        measurement.histogram.tolist()
+    ]
+
+
+def test_the_hook_hands_a_shared_tensor_to_the_worker_without_a_torch_operation() -> None:
+    """A gradient reaches the worker with no torch call in the hook, an output with one (detach).
+
+    The values are the inline ones.
+
+    Each torch call releases the GIL, and while the worker reduces, taking it back costs the
+    hook 5-15 us a call (``benchmarks/gil_handoff.py``).
+    """
+    gradient = torch.randn(64, 48, generator=torch.Generator().manual_seed(1))
+    weight = torch.randn(48, 48, requires_grad=True)
+    output = gradient @ weight
+    inline = Measurer(default_reducers(), HistogramReducer(), background=False)
+    expected = [
+        _settled_values(inline.measure(tensor, with_histogram=True))
+        for tensor in (gradient, output)
+    ]
+    measurer = Measurer(default_reducers(), HistogramReducer(), background=True)
+    try:
+        with _RecordedOps() as on_gradient:
+            from_gradient = measurer.measure(gradient, with_histogram=True, shared=True)
+        with _RecordedOps() as on_output:
+            from_output = measurer.measure(output, with_histogram=True, shared=True)
+        assert from_gradient.worker is not None  # on the worker's path, shared
+        assert from_gradient.shared is not None
+        assert on_gradient.ops == []
+        assert on_output.ops == [torch.ops.aten.detach.default]
+        assert [_settled_values(from_gradient), _settled_values(from_output)] == expected
+    finally:
+        measurer.close()
+        inline.close()

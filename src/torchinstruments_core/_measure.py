@@ -353,14 +353,16 @@ class Measurer:
         buffer = aliased = None  # what no result may keep reading: reused, or not ours
         with torch.no_grad():
             if owned or (shared and _storage_bytes(plain) <= plain.numel() * dtype.itemsize):
-                flat = plain.dtype == dtype and plain.is_contiguous()
-                copy = plain.detach().reshape(-1) if flat else plain.detach()
+                # handed over as it is (``plain`` is detached already): the worker flattens it.
+                # Each torch call here releases the GIL, and while the worker reduces, taking
+                # it back costs the hook 5-15 us a call (``benchmarks/gil_handoff.py``).
+                copy = plain
                 if not owned:
                     measurement.shared = (plain, version(plain))
                     aliased = copy
             else:
                 copy = aliased = buffer = self._worker.buffer(plain.numel(), dtype)
-                copy.view(plain.shape).copy_(plain.detach())
+                copy.view(plain.shape).copy_(plain)
         cache, source_dtype = self._index_cache, plain.dtype  # this sample's, whenever it runs
 
         def job() -> None:

@@ -45,7 +45,10 @@ _READABLE_FLOATS = frozenset(
 
 
 def plain_tensor(tensor: torch.Tensor) -> torch.Tensor | UnavailableReason:
-    """The detached, plain, dense, non-empty floating tensor to reduce, or why there is none.
+    """The plain, dense, non-empty floating tensor to reduce, or why there is none.
+
+    It never requires grad: ``tensor`` itself when it requires none (a gradient), else detached.
+    Nothing here or in its callers writes into it.
 
     Args:
         tensor: A module output or gradient, possibly nested, a ``DTensor`` or another subclass.
@@ -75,7 +78,8 @@ def _classified(tensor: torch.Tensor | UnavailableReason) -> torch.Tensor | Unav
         return UnavailableReason.UNSUPPORTED_DTYPE
     if tensor.numel() == 0:
         return UnavailableReason.EMPTY_TENSOR
-    return tensor.detach()
+    # detach is a torch call, which hands the GIL over: none for a gradient, which has no graph
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 def _nested_entries(tensor: torch.Tensor) -> torch.Tensor | UnavailableReason:

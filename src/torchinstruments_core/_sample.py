@@ -246,7 +246,7 @@ class Sample:
         """The values of each distinct measurement, in the order ``_landed`` reads them."""
         for measurement in self._distinct():
             if measurement.n_finite is not None:
-                yield measurement.n_finite.reshape(1)
+                yield measurement.n_finite  # 0-d: the transfer reads it without a reshape
             for result in measurement.results:
                 if result.values is not None:
                     yield result.values

@@ -2,8 +2,8 @@
 
 On CUDA the copy goes into pinned memory without blocking and an event says when it has landed, so
 closing a sample never makes the training step wait for the device. Elsewhere the copy is
-synchronous. On the CPU there is no copy: each floating tensor's values are read as they are
-(``tolist`` gives the floats a float64 copy would; other dtypes are converted to float64 first).
+synchronous. On the CPU there is no copy: each tensor's values are read as they are (``tolist``
+gives the floats a float64 copy would; a count or a flag becomes the same float in Python).
 A sample has a few hundred such small tensors, and converting, concatenating and reading them
 back cost the training thread half a millisecond.
 """
@@ -59,9 +59,12 @@ class HostTransfer:
         """Block until the copies have landed; return each input tensor's values."""
         out: list[list[float]] = [[] for _ in self._sizes]
         for index, tensor in self._host:
-            flat = tensor.reshape(-1)
-            # a float's tolist gives the float64 values; a count or a flag is converted first
-            out[index] = (flat if flat.is_floating_point() else flat.to(torch.float64)).tolist()
+            # a torch call apiece costs microseconds: a 0-d or 1-D tensor (a count, a reducer's
+            # result) is read as it is, a count or a flag converted in Python, as float64 would
+            flat = tensor if tensor.dim() <= 1 else tensor.reshape(-1)
+            values = flat.tolist()
+            values = values if isinstance(values, list) else [values]
+            out[index] = values if flat.is_floating_point() else [float(v) for v in values]
         for indices, host, event in self._groups:
             if event is not None:
                 event.synchronize()

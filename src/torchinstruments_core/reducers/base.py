@@ -81,13 +81,9 @@ class PreparedTensor:
     ) -> None:
         self.source_dtype = tensor.dtype
         dtype = working_dtype(tensor.dtype)
-        if (
-            type(tensor) is torch.Tensor
-            and tensor.dim() == 1
-            and tensor.dtype == dtype
-            and not tensor.requires_grad
-        ):
-            values = tensor  # flat already (the worker's copies): no torch call, no GIL hand-over
+        if type(tensor) is torch.Tensor and tensor.dtype == dtype and not tensor.requires_grad:
+            # flat already (the worker's copies): no torch call, no GIL hand-over; else one
+            values = tensor if tensor.dim() == 1 else tensor.reshape(-1)
         else:
             values = tensor.detach().reshape(-1).to(dtype)
         # a lazily negated view (``z.conj().imag``) has no numpy view for the host passes
