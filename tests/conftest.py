@@ -41,3 +41,31 @@ def _no_leaked_threads() -> Iterator[None]:
 def _seed() -> None:
     """Each test sees the same random numbers, whatever ran before it."""
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def without_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU reductions go through numpy and torch, as in a build without the C extension.
+
+    ``reducers/_native.py`` reads ``KERNELS`` at every call, and a ``Measurer`` plans its fused
+    path when it is made: so this holds for everything the test makes after it starts.
+    """
+    from torchinstruments_core.reducers import _native
+
+    monkeypatch.setattr(_native, "KERNELS", None)
+
+
+@pytest.fixture(params=["kernels", "numpy"])
+def reduction_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test once with the compiled CPU kernels and once through numpy and torch.
+
+    A module opts in with ``pytestmark = pytest.mark.usefixtures("reduction_path")``; the
+    kernels' run is skipped where the extension was not built.
+    """
+    from torchinstruments_core.reducers import _native
+
+    if request.param == "numpy":
+        monkeypatch.setattr(_native, "KERNELS", None)
+    elif _native.KERNELS is None:  # not built, or switched off by ``without_kernels``
+        pytest.skip("runs without the compiled kernels only")
+    return str(request.param)

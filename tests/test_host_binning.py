@@ -14,6 +14,9 @@ from torchinstruments_core.reducers._bin_keys import PAIRS_FROM, bin_keys, lane_
 from torchinstruments_core.reducers._host_binning import BLOCK, host_grid, host_histogram_counts
 from torchinstruments_core.reducers.base import PreparedTensor
 
+# every test once with the compiled CPU kernels and once through numpy and torch
+pytestmark = pytest.mark.usefixtures("reduction_path")
+
 
 def _torch_path(values: torch.Tensor, bins: int) -> torch.Tensor:
     """``histogram_counts``' packed result computed with the 0-d tensor grid and torch binning."""
@@ -208,6 +211,7 @@ def test_edges_searched_together_equal_edges_searched_one_by_one(
 
 
 @pytest.mark.parametrize("bins", [1, 64, 127, 1000])
+@pytest.mark.usefixtures("without_kernels")
 def test_small_tensors_count_by_one_bincount_with_the_same_counts(
     bins: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,6 +14,9 @@ from torchinstruments_core import AlwaysSampler, ObservationWarning, StatRow, in
 from torchinstruments_core.reducers import DEFAULT_METRICS
 from torchinstruments_core.testing import RecordingSink
 
+# every test once with the compiled CPU kernels and once through numpy and torch
+pytestmark = pytest.mark.usefixtures("reduction_path")
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 

@@ -16,6 +16,9 @@ from torchinstruments_core.reducers.functional import (
     subsample_size,
 )
 
+# every test once with the compiled CPU kernels and once through numpy and torch
+pytestmark = pytest.mark.usefixtures("reduction_path")
+
 LEVELS = (0.25, 0.5, 0.75)
 SHAPES = ("normal", "lognormal", "relu", "bimodal", "few_values")
 M = 8192
@@ -145,6 +148,7 @@ def test_the_default_subsample_takes_one_sort(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.parametrize("kwargs", [{"sample_size": 32768}, {"exact": True}])
+@pytest.mark.usefixtures("without_kernels")
 def test_larger_selections_take_the_bracketed_path(
     kwargs: dict[str, int | bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:

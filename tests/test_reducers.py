@@ -31,6 +31,9 @@ from torchinstruments_core.reducers.functional import (
 from torchinstruments_core.reducers.histogram import MAX_HISTOGRAM_BINS
 from torchinstruments_core.testing import RecordingSink
 
+# every test once with the compiled CPU kernels and once through numpy and torch
+pytestmark = pytest.mark.usefixtures("reduction_path")
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -466,6 +469,7 @@ def test_the_accelerator_path_never_reads_a_value_on_the_host(dtype: torch.dtype
         assert values.shape == (len(reducer.metrics) or 50 + 4,)
 
 
+@pytest.mark.usefixtures("without_kernels")
 def test_the_blocked_host_pass_sees_every_block() -> None:
     """The CPU's one blocked pass reads every entry of every block, the partial last one too.
 

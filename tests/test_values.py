@@ -25,6 +25,9 @@ from torchinstruments_core import (
 )
 from torchinstruments_core.testing import RecordingSink
 
+# every test once with the compiled CPU kernels and once through numpy and torch
+pytestmark = pytest.mark.usefixtures("reduction_path")
+
 METRICS = (
     "mean",
     "std",

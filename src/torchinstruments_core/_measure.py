@@ -31,6 +31,8 @@ from torchinstruments_core.reducers import (
     Reducer,
     working_dtype,
 )
+from torchinstruments_core.reducers._fused import FusedReductions
+from torchinstruments_core.reducers._host import host_count
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -187,6 +189,8 @@ class Measurer:
         self.reducers = tuple(reducers)
         self.histogram = histogram
         self.metrics = tuple(m for r in self.reducers for m in r.metrics)
+        # the built-in reducers' CPU work in one call of the compiled kernels (same values)
+        self._fused = FusedReductions.plan(self.reducers, histogram)
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._index_cache: dict[tuple[torch.device, int, int], torch.Tensor] = {}
@@ -387,6 +391,8 @@ class Measurer:
             with torch.no_grad(), _autocast_off(plain.device):
                 prepared = PreparedTensor(plain, self._generator(plain.device), cache)
                 prepared.source_dtype = source_dtype  # a copy is in the working dtype already
+                if self._fill_fused(prepared, measurement, with_histogram):
+                    return
                 measurement.n_finite = prepared.n_finite  # reads every entry: fails here if any
         except Exception as error:  # an odd tensor must never break the step
             measurement.reason = reducer_error_reason(error)
@@ -402,6 +408,32 @@ class Measurer:
             # the flat working-dtype copy made here: a result that views it (a custom reducer's
             # slice) must not keep all of it alive until the sample is delivered
             _unalias(measurement, values)
+
+    def _fill_fused(
+        self, prepared: PreparedTensor, measurement: Measurement, with_histogram: bool
+    ) -> bool:
+        """Fill ``measurement`` from one call of the compiled kernels, if it can be done.
+
+        The built-in reducers' values for a CPU tensor they would reduce on the host
+        (``FusedReductions``); ``False`` leaves the reducers to run as usual, and so does an
+        error here, which they then meet and report themselves.
+        """
+        if self._fused is None or not prepared.values.is_cpu:
+            return False
+        try:
+            fused = self._fused.reduce(prepared, with_histogram)
+        except Exception:  # the reducers run instead, and report what fails
+            return False
+        if fused is None:
+            return False
+        measurement.n_finite = host_count(prepared.numel)
+        for reducer, values in zip(self.reducers, fused.results, strict=True):
+            measurement.results.append(ReducerResult(reducer.metrics, values))
+        if fused.histogram is not None:
+            measurement.histogram = fused.histogram
+            measurement.histogram_bins = self.histogram.bins
+            measurement.histogram_float64 = fused.histogram.dtype == torch.float64
+        return True
 
     def _run(
         self, reducer: Reducer, prepared: PreparedTensor, measurement: Measurement

@@ -1,5 +1,7 @@
 """Histograms of an all-finite CPU tensor: the grid from host numbers, the bins block by block.
 
+With the compiled kernels (``_native``) the grid and the bins are one call, the same float
+operations in C (``_kernels.c``) with the same results. Without them:
 ``_binning`` builds the grid from 0-d tensors, a score of tiny torch operations that cost more
 than binning a 131,072-entry tensor. When the statistics pass has already read the min and the
 max on the host (``PreparedTensor.host_summary``), this module does the same float operations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
+from torchinstruments_core.reducers import _native
 from torchinstruments_core.reducers._bin_keys import BinKeys, bin_keys, lane_pattern
 from torchinstruments_core.reducers._host import HOST_BLOCK
 
@@ -105,6 +108,11 @@ def host_histogram_counts(
     Returns:
         The ``bins + 4`` packed values of ``histogram_counts``, in the working dtype.
     """
+    if _native.usable(values):
+        status, (grid_lo, grid_hi, _, scale), counts = _native.histogram(values, lo, hi, bins)
+        if status == _native.STATUS_BIN_OVERFLOW:
+            raise ValueError(_TOO_FINE.format(bins=bins))
+        return pack_histogram((grid_lo, grid_hi, scale), counts, bins, values.dtype)
     entries: NDArray[np.floating] = values.numpy()
     dtype = entries.dtype.type
     grid = host_grid(lo, hi, bins, dtype)
@@ -112,11 +120,35 @@ def host_histogram_counts(
         binned = _count_directly(entries, grid, bins)
     else:
         binned = _count_with_keys(entries, grid, bins, chunk_size)
-    packed = np.empty(bins + 4, dtype=dtype)
-    packed[:3] = (grid.lo, grid.hi, grid.scale)
-    packed[3 : 2 + bins] = binned[: bins - 1]
+    return pack_histogram(
+        (float(grid.lo), float(grid.hi), float(grid.scale)), binned, bins, values.dtype
+    )
+
+
+_TOO_FINE = "{bins} bins: the grid's rounding put the largest entry past the last"
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def pack_histogram(
+    grid: tuple[float, float, float],
+    buckets: NDArray[np.integer],
+    bins: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``histogram_counts``' packed tensor: the grid's lo, hi and scale, the counts, 0 non-finite.
+
+    Args:
+        grid: The grid's lo, hi and scale (values of ``dtype``).
+        buckets: ``bins + 1`` counts: the bins', then the max's bucket, which joins the last bin.
+        bins: Number of bins.
+        dtype: The working dtype, float32 or float64.
+    """
+    packed = np.empty(bins + 4, dtype=_NUMPY[dtype])
+    packed[:3] = grid
+    packed[3 : 2 + bins] = buckets[: bins - 1]
     # the top bucket (the max, up to rounding) joins the last bin
-    packed[2 + bins] = binned[bins - 1] + binned[bins]
+    packed[2 + bins] = buckets[bins - 1] + buckets[bins]
     packed[3 + bins] = 0
     return torch.from_numpy(packed)
 
@@ -127,7 +159,7 @@ def _count_directly(entries: NDArray[np.floating], grid: HostGrid, bins: int) ->
     _bins(entries, grid, np.empty(entries.size, entries.dtype), found)
     counts = np.bincount(found, minlength=bins + 1)
     if counts.size > bins + 1:  # would be dropped from the packed counts without a word
-        raise ValueError(f"{bins} bins: the grid's rounding put the largest entry past the last")
+        raise ValueError(_TOO_FINE.format(bins=bins))
     return counts
 
 

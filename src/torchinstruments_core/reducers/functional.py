@@ -15,12 +15,14 @@ so their cost does not grow with the tensor and their error bound is one number.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
+from torchinstruments_core.reducers import _native
 from torchinstruments_core.reducers._binning import (
     HISTOGRAM_CHUNK_SIZE,
     count_sorted,
@@ -34,8 +36,11 @@ from torchinstruments_core.reducers._select import order_statistics
 from torchinstruments_core.reducers.base import CHUNK_SIZE
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
+    from numpy.typing import NDArray
+
+    from torchinstruments_core.reducers._host import HostSummary
     from torchinstruments_core.reducers.base import PreparedTensor
 
 MOMENT_METRICS = (
@@ -94,22 +99,45 @@ def _host_moments(prepared: PreparedTensor, chunk_size: int) -> torch.Tensor | N
     summary = prepared.host_summary
     if summary is None:
         return None
-    count = prepared.numel
+    values = host_moment_values(
+        summary,
+        prepared.numel,
+        prepared.values.dtype,
+        lambda shift: shifted_squares(prepared, shift, chunk_size),
+    )
+    return None if values is None else host_values(values, prepared.values.dtype)
+
+
+def host_moment_values(
+    summary: HostSummary,
+    count: int,
+    dtype: torch.dtype,
+    shifted_squares: Callable[[float], float],
+) -> list[float] | None:
+    """``moments``' nine values from a CPU tensor's one-pass summary, as Python floats.
+
+    ``None`` where the entries are so large or so small that their squares need scaling
+    (``_scaling.squares_are_safe``). ``shifted_squares(shift)`` is the sum of the squared
+    entries minus ``shift`` (a second pass, for a mean large against the spread).
+
+    Args:
+        summary: The tensor's ``HostSummary``.
+        count: Its entries.
+        dtype: Its working dtype.
+        shifted_squares: The second pass, called only where the first does not suffice.
+    """
     lo, hi = summary.lo, summary.hi
     max_abs = max(abs(lo), abs(hi))
-    if not squares_are_safe(max_abs, count, prepared.values.dtype):
+    if not squares_are_safe(max_abs, count, dtype):
         return None
     mean = summary.total / count
     m2 = summary.squares - summary.total * mean
     if not (math.isfinite(m2) and m2 > 0.0 and mean * mean * count <= _CONDITIONING * m2):
         # shift by the mean rounded to the working dtype, then correct for the rounding
-        shift = float(torch.tensor(mean, dtype=prepared.values.dtype))
-        squares = sum(
-            float((chunk - shift).square_().sum()) for chunk, _ in prepared.chunks(chunk_size)
-        )
-        m2 = max(squares - count * (mean - shift) ** 2, 0.0)
+        shift = float(_NUMPY_FLOATS[dtype](mean))
+        m2 = max(shifted_squares(shift) - count * (mean - shift) ** 2, 0.0)
     variance = m2 / count
-    values = [
+    return [
         mean,
         math.sqrt(variance),
         lo,
@@ -118,9 +146,13 @@ def _host_moments(prepared: PreparedTensor, chunk_size: int) -> torch.Tensor | N
         0.0,
         math.sqrt(variance + mean * mean),
         max_abs,
-        math.sqrt(summary.squares),  # the blocked dot products: squares_are_safe bounds them
+        math.sqrt(summary.squares),  # squares_are_safe bounds the sum of squares
     ]
-    return host_values(values, prepared.values.dtype)
+
+
+def shifted_squares(prepared: PreparedTensor, shift: float, chunk_size: int) -> float:
+    """The sum of ``(x - shift)**2`` over the entries, chunk by chunk, each chunk's in float."""
+    return sum(float((chunk - shift).square_().sum()) for chunk, _ in prepared.chunks(chunk_size))
 
 
 def _chunk_partial(chunk: torch.Tensor, mask: torch.Tensor | None, scale: torch.Tensor) -> _Partial:
@@ -333,6 +365,8 @@ def quantiles(
         ValueError: If a level is outside [0, 1] or ``sample_size`` is not positive.
     """
     _check_quantile_args(qs, sample_size)
+    if prepared.all_finite and _native.usable(prepared.values):  # only ever true on the CPU
+        return _native_quantiles(prepared, qs, sample_size, exact)
     sample, mask = _quantile_sample(prepared, sample_size, exact)
     if mask is None and prepared.all_finite:  # only ever true on the CPU
         return _host_quantiles(sample, qs)
@@ -345,6 +379,77 @@ def quantiles(
     return _interpolate(_sort(keyed), n_finite, qs)
 
 
+def _native_quantiles(
+    prepared: PreparedTensor, qs: Sequence[float], sample_size: int, exact: bool
+) -> torch.Tensor:
+    """``_host_quantiles`` of the same subsample, selected by the compiled kernels in place.
+
+    The subsample's entries are read at their positions (no gathered copy in torch) and the
+    wanted order statistics selected in C: the same entries, so the same quartiles.
+    """
+    size = prepared.numel if exact else subsample_size(prepared.numel, sample_size)
+    index = None if size == prepared.numel else prepared.random_index(size)
+    plan = quantile_plan(size, tuple(qs))
+    ordered = _native.order_statistics(prepared.values, index, size, plan.ranks)
+    return host_values(plan.interpolate(ordered, prepared.values.dtype), prepared.values.dtype)
+
+
+class QuantilePlan(NamedTuple):
+    """Where numpy's ``linear`` quantiles of a sorted ``size``-entry sample read it.
+
+    ``ranks`` are the sorted entries needed (ascending, each once); each level interpolates
+    between two of them with a weight computed once.
+    """
+
+    ranks: NDArray[np.int64]
+    levels: tuple[tuple[float, int, int], ...]
+    """Per level: the weight ``gamma``, the positions in ``ranks`` of its low and high entry."""
+
+    def interpolate(self, ordered: Sequence[float], dtype: torch.dtype) -> list[float]:
+        """The quantiles from the entries at ``ranks``, lerped in the working dtype.
+
+        The same float operations as ``_interpolate`` on the sorted tensor: float64 positions,
+        numpy's two-sided lerp in the working dtype, halves where the span overflows.
+        """
+        float_type = _NUMPY_FLOATS[dtype]
+        result = []
+        with np.errstate(over="ignore"):  # an overflowing span is handled below
+            for gamma_value, low_at, high_at in self.levels:
+                gamma = float_type(gamma_value)
+                low, high = float_type(ordered[low_at]), float_type(ordered[high_at])
+                span = high - low
+                if not np.isfinite(span):
+                    half_low, half_high = low * float_type(0.5), high * float_type(0.5)
+                    half = min(max(half_low + (half_high - half_low) * gamma, half_low), half_high)
+                    result.append(float(half * 2))
+                elif gamma >= 0.5:
+                    result.append(float(high - span * (1 - gamma)))
+                else:
+                    result.append(float(low + span * gamma))
+        return result
+
+
+_NUMPY_FLOATS: dict[torch.dtype, type[np.floating]] = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+}
+
+
+@functools.lru_cache(maxsize=256)
+def quantile_plan(size: int, qs: Sequence[float]) -> QuantilePlan:
+    """The ``QuantilePlan`` of levels ``qs`` over a sorted sample of ``size`` entries."""
+    last = size - 1
+    positions = [last * q for q in qs]
+    belows = [min(math.floor(position), last) for position in positions]
+    ranks = sorted({*belows, *(min(below + 1, last) for below in belows)})
+    at = {rank: place for place, rank in enumerate(ranks)}
+    levels = tuple(
+        (position - below, at[below], at[min(below + 1, last)])
+        for position, below in zip(positions, belows, strict=True)
+    )
+    return QuantilePlan(np.array(ranks, dtype=np.int64), levels)
+
+
 def _host_quantiles(sample: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
     """``_interpolate`` of an all-finite CPU tensor, with the positions in Python.
 
@@ -354,24 +459,10 @@ def _host_quantiles(sample: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
     that never sorts it whole (``_select.order_statistics``).
     """
     values = (sample if sample.is_contiguous() else sample.contiguous()).numpy()
-    last = values.size - 1
-    positions = [last * q for q in qs]
-    belows = [min(math.floor(position), last) for position in positions]
-    ordered = order_statistics(values, [*belows, *(min(b + 1, last) for b in belows)])
-    float_type = values.dtype.type
-    result = []
-    with np.errstate(over="ignore"):  # an overflowing span is handled below
-        for position, below in zip(positions, belows, strict=True):
-            gamma = float_type(position - below)
-            low, high = ordered[below], ordered[min(below + 1, last)]
-            span = high - low
-            if not np.isfinite(span):
-                half_low, half_high = low * float_type(0.5), high * float_type(0.5)
-                half = min(max(half_low + (half_high - half_low) * gamma, half_low), half_high)
-                result.append(half * 2)
-            else:
-                result.append(high - span * (1 - gamma) if gamma >= 0.5 else low + span * gamma)
-    return host_values(result, sample.dtype)
+    plan = quantile_plan(values.size, tuple(qs))
+    found = order_statistics(values, plan.ranks.tolist())
+    ordered = [found[rank] for rank in plan.ranks.tolist()]
+    return host_values(plan.interpolate(ordered, sample.dtype), sample.dtype)
 
 
 def _sort(values: torch.Tensor) -> torch.Tensor:

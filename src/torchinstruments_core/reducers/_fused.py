@@ -1,0 +1,124 @@
+"""The default profile of one CPU tensor in one call of the compiled kernels.
+
+The engine runs its reducers one by one on a ``PreparedTensor``. On the CPU each of them makes a
+few calls into the compiled kernels (``_native``) and a few dozen Python operations; on the
+reduction worker every call releases the GIL and takes it back, and every stretch of Python holds
+it while the training thread waits. When the reducers are the built-in ones (``MomentsReducer``,
+``QuantileReducer``, ``HistogramReducer``), ``FusedReductions`` gives the same values from one
+kernel call per tensor: the same summary, order statistics, grid and bins as the reducers get
+from the kernels, then the same Python arithmetic (``host_moment_values``,
+``QuantilePlan.interpolate``, ``pack_histogram``). Where the reducers would leave the host
+shortcuts (a NaN or an infinity, squares that need scaling, a grid too fine for its bins), it
+gives nothing and the reducers run as usual.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from torchinstruments_core.reducers import _native
+from torchinstruments_core.reducers._host import HostSummary, host_values
+from torchinstruments_core.reducers._host_binning import pack_histogram
+from torchinstruments_core.reducers.base import CHUNK_SIZE
+from torchinstruments_core.reducers.functional import (
+    DEFAULT_QUANTILES,
+    host_moment_values,
+    quantile_plan,
+    shifted_squares,
+    subsample_size,
+)
+from torchinstruments_core.reducers.histogram import HistogramReducer
+from torchinstruments_core.reducers.moments import MomentsReducer
+from torchinstruments_core.reducers.quantiles import QuantileReducer
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import torch
+
+    from torchinstruments_core.reducers.base import PreparedTensor, Reducer
+
+_NO_RANKS = np.empty(0, dtype=np.int64)
+
+
+class Fused(NamedTuple):
+    """One tensor's values: each reducer's, in the reducers' order, and the packed histogram."""
+
+    results: list[torch.Tensor]
+    histogram: torch.Tensor | None
+
+
+class FusedReductions:
+    """What ``reduce`` computes for reducers that are all built in (see ``plan``).
+
+    Args:
+        reducers: ``MomentsReducer`` and ``QuantileReducer`` instances, at most one of each.
+        histogram: The histogram reducer.
+    """
+
+    def __init__(self, reducers: Sequence[Reducer], histogram: HistogramReducer) -> None:
+        self._reducers = tuple(reducers)
+        quantiles = [r for r in self._reducers if isinstance(r, QuantileReducer)]
+        self._quantiles = quantiles[0] if quantiles else None
+        self._bins = histogram.bins
+
+    @classmethod
+    def plan(
+        cls, reducers: Sequence[Reducer], histogram: HistogramReducer
+    ) -> FusedReductions | None:
+        """The fused reductions of these reducers, or ``None`` where they are not all built in.
+
+        Built in means of exactly these classes (a subclass may compute something else), at most
+        one of each, and the kernels installed.
+        """
+        kinds = [type(reducer) for reducer in reducers]
+        if _native.KERNELS is None or type(histogram) is not HistogramReducer:
+            return None
+        if any(kind not in (MomentsReducer, QuantileReducer) for kind in kinds):
+            return None
+        if len(set(kinds)) != len(kinds):
+            return None
+        return cls(reducers, histogram)
+
+    def reduce(self, prepared: PreparedTensor, with_histogram: bool) -> Fused | None:
+        """Every reducer's values (and the histogram's) for ``prepared``, or ``None``.
+
+        ``None`` where the kernels cannot read the tensor or the reducers would not take the
+        host shortcuts: the reducers then run on it as usual. The quartiles' subsample is drawn
+        through ``prepared.random_index``, as ``QuantileReducer`` draws it, so the reducers
+        running after a ``None`` find the same positions.
+        """
+        values = prepared.values
+        if not _native.usable(values):
+            return None
+        numel, dtype = prepared.numel, values.dtype
+        quantiles, size, index, ranks = self._quantiles, 0, None, _NO_RANKS
+        if quantiles is not None:
+            size = numel if quantiles.exact else subsample_size(numel, quantiles.sample_size)
+            index = None if size == numel else prepared.random_index(size)
+            ranks = quantile_plan(size, DEFAULT_QUANTILES).ranks
+        bins = self._bins if with_histogram else 0
+        reduced = _native.reduce(values, index, size, ranks, bins)
+        if reduced.status != _native.STATUS_OK:
+            return None
+        summary = HostSummary(reduced.total, reduced.squares, reduced.lo, reduced.hi, reduced.zeros)
+        results = []
+        for reducer in self._reducers:
+            if isinstance(reducer, QuantileReducer):
+                ordered = quantile_plan(size, DEFAULT_QUANTILES).interpolate(reduced.ordered, dtype)
+                results.append(host_values(ordered, dtype))
+                continue
+            moments = host_moment_values(
+                summary, numel, dtype, lambda shift: shifted_squares(prepared, shift, CHUNK_SIZE)
+            )
+            if moments is None:  # squares that need scaling: the reducers scale them
+                return None
+            results.append(host_values(moments, dtype))
+        histogram = None
+        if bins:
+            assert reduced.counts is not None, "the kernels count the bins they are asked for"
+            lo, hi, _, scale = reduced.grid
+            histogram = pack_histogram((lo, hi, scale), reduced.counts, bins, dtype)
+        return Fused(results, histogram)

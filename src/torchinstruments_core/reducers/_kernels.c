@@ -1,0 +1,423 @@
+/*
+ * The CPU reductions of one tensor in a few passes of compiled code, with the GIL released.
+ *
+ * On the CPU a sampled tensor's statistics came from a score of numpy and torch calls a tensor
+ * (block sums, extremes, zero counts, a gather, a sort, the binning passes). Each call releases
+ * the GIL and takes it back, and while the reduction worker makes them the training thread waits
+ * for the GIL after its own operations; the Python between them holds it outright. Here one call
+ * does a tensor's whole default profile: a pass for the sums, extremes and zeros, the grid of its
+ * histogram and a pass for the bins, and the order statistics of its quartile subsample.
+ *
+ * What it must agree with, bit for bit: the histogram grid and bins of ``_host_binning`` and
+ * ``_binning`` (the same float operations in the working dtype, in the same order; compiled with
+ * -ffp-contract=off so that no multiply-add is fused), and the order statistics of ``np.sort``
+ * (any correct selection gives the same values). The sums are accumulated in double per lane, so
+ * they are at least as accurate as the blocked float32 sums they replace, not equal to them.
+ *
+ * Arguments are addresses and sizes given by ``reducers/_native.py``, which owns every buffer and
+ * checks every tensor (dense, contiguous, float32 or float64, on the CPU) before it gets here.
+ * The limited API keeps one build per platform for every Python from 3.11 on.
+ */
+#define Py_LIMITED_API 0x030B0000
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Runtime dispatch of the streaming loops to AVX-512 or AVX2 where the processor has them: the
+   wheel is built for the baseline ISA, where converting to double costs twice the time. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define TI_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define TI_CLONES
+#endif
+
+#define LANES 16
+#define ZERO_BLOCK 65536 /* entries per lane counter flush: a uint32 lane never overflows */
+#define BIN_LANES 4       /* copies of the bin table, so repeats of one bin do not serialize */
+#define BIN_CHUNK 256
+
+enum { STATUS_OK = 0, STATUS_NONFINITE = 1, STATUS_BIN_OVERFLOW = 2 };
+enum { DTYPE_FLOAT32 = 0, DTYPE_FLOAT64 = 1 };
+
+typedef struct {
+    double total;   /* sum of the entries */
+    double squares; /* sum of their squares */
+    double lo;      /* smallest entry */
+    double hi;      /* largest entry */
+    double zeros;   /* entries equal to zero */
+} Summary;
+
+/* ---- one pass: sums, sum of squares, extremes, zero count ------------------------------- */
+
+#define DEFINE_SUMMARY(NAME, T)                                                                \
+    TI_CLONES static void NAME(const T* x, int64_t n, Summary* s) {                            \
+        double total[LANES] = {0}, squares[LANES] = {0};                                       \
+        T lo[LANES], hi[LANES];                                                                \
+        uint32_t zero[LANES] = {0};                                                            \
+        int64_t zeros = 0, i = 0;                                                              \
+        for (int j = 0; j < LANES; j++) {                                                      \
+            lo[j] = (T)INFINITY;                                                               \
+            hi[j] = (T)-INFINITY;                                                              \
+        }                                                                                      \
+        while (n - i >= LANES) {                                                               \
+            int64_t stop = i + (n - i) / LANES * LANES;                                        \
+            if (stop - i > ZERO_BLOCK) stop = i + ZERO_BLOCK;                                  \
+            for (; i < stop; i += LANES) {                                                     \
+                for (int j = 0; j < LANES; j++) {                                              \
+                    T v = x[i + j];                                                            \
+                    double d = (double)v;                                                      \
+                    total[j] += d;                                                             \
+                    squares[j] += d * d;                                                       \
+                    lo[j] = v < lo[j] ? v : lo[j];                                             \
+                    hi[j] = v > hi[j] ? v : hi[j];                                             \
+                    zero[j] += (v == (T)0);                                                    \
+                }                                                                              \
+            }                                                                                  \
+            for (int j = 0; j < LANES; j++) {                                                  \
+                zeros += zero[j];                                                              \
+                zero[j] = 0;                                                                   \
+            }                                                                                  \
+        }                                                                                      \
+        double t = 0.0, q = 0.0;                                                               \
+        T mn = (T)INFINITY, mx = (T)-INFINITY;                                                 \
+        for (int j = 0; j < LANES; j++) {                                                      \
+            t += total[j];                                                                     \
+            q += squares[j];                                                                   \
+            mn = lo[j] < mn ? lo[j] : mn;                                                      \
+            mx = hi[j] > mx ? hi[j] : mx;                                                      \
+        }                                                                                      \
+        for (; i < n; i++) {                                                                   \
+            T v = x[i];                                                                        \
+            t += (double)v;                                                                    \
+            q += (double)v * (double)v;                                                        \
+            mn = v < mn ? v : mn;                                                              \
+            mx = v > mx ? v : mx;                                                              \
+            zeros += (v == (T)0);                                                              \
+        }                                                                                      \
+        s->total = t;                                                                          \
+        s->squares = q;                                                                        \
+        s->lo = (double)mn;                                                                    \
+        s->hi = (double)mx;                                                                    \
+        s->zeros = (double)zeros;                                                              \
+    }
+
+DEFINE_SUMMARY(summary_f32, float)
+DEFINE_SUMMARY(summary_f64, double)
+
+/* ---- the histogram's grid: _host_binning.host_grid, operation for operation ---------------- */
+
+#define DEFINE_GRID(NAME, T, MAX, EPS, ABS)                                                    \
+    static void NAME(T low, T high, int32_t bins, double* grid) {                              \
+        T narrow_below = (T)(4.0 * (double)bins / (double)(MAX));                              \
+        int narrow = (high - low) < narrow_below;                                              \
+        T a = ABS(low), b = ABS(high);                                                         \
+        T width = (a >= b ? a : b) * (T)(EPS);                                                 \
+        T pad = narrow ? (width >= (T)0.5 ? width : (T)0.5) : (T)0;                            \
+        T wide_low = low - pad, wide_high = high + pad;                                        \
+        if (isinf(wide_high)) {                                                                \
+            wide_low = low - (T)2 * pad;                                                       \
+            wide_high = high;                                                                  \
+        } else if (isinf(wide_low)) {                                                          \
+            wide_low = low;                                                                    \
+            wide_high = high + (T)2 * pad;                                                     \
+        }                                                                                      \
+        T half_lo = wide_low * (T)0.5;                                                         \
+        T scale = ((T)1 / (wide_high * (T)0.5 - half_lo)) * (T)bins;                           \
+        grid[0] = (double)wide_low;                                                            \
+        grid[1] = (double)wide_high;                                                           \
+        grid[2] = (double)half_lo;                                                             \
+        grid[3] = (double)scale;                                                               \
+    }
+
+DEFINE_GRID(grid_f32, float, FLT_MAX, FLT_EPSILON, fabsf)
+DEFINE_GRID(grid_f64, double, DBL_MAX, DBL_EPSILON, fabs)
+
+/* ---- the bins: trunc((x * 0.5 - half_lo) * scale), the max's bucket ``bins`` apart ---------- */
+
+#define DEFINE_BINS(NAME, T)                                                                   \
+    TI_CLONES static int NAME(const T* x, int64_t n, T half_lo, T scale, int32_t bins,         \
+                              uint32_t* lanes, int64_t* counts) {                              \
+        const int64_t width = (int64_t)bins + 1;                                               \
+        const T limit = (T)width; /* an offset below it truncates to at most ``bins`` */       \
+        int32_t found[BIN_CHUNK];                                                              \
+        int64_t since_flush = 0;                                                               \
+        for (int64_t start = 0; start < n; start += BIN_CHUNK) {                               \
+            int64_t size = n - start < BIN_CHUNK ? n - start : BIN_CHUNK;                      \
+            int outside = 0;                                                                   \
+            for (int64_t k = 0; k < size; k++) {                                               \
+                T offset = (x[start + k] * (T)0.5 - half_lo) * scale;                          \
+                int inside = offset >= (T)0 && offset < limit;                                 \
+                outside |= !inside;                                                            \
+                found[k] = inside ? (int32_t)offset : 0;                                       \
+            }                                                                                  \
+            if (outside) return STATUS_BIN_OVERFLOW;                                           \
+            int64_t k = 0;                                                                     \
+            for (; k + BIN_LANES <= size; k += BIN_LANES) {                                    \
+                for (int lane = 0; lane < BIN_LANES; lane++)                                   \
+                    lanes[lane * width + found[k + lane]]++;                                   \
+            }                                                                                  \
+            for (; k < size; k++) lanes[found[k]]++;                                           \
+            since_flush += size;                                                               \
+            if (since_flush >= ((int64_t)1 << 31)) { /* a lane stays below 2**32 */            \
+                for (int64_t b = 0; b < BIN_LANES * width; b++) {                              \
+                    counts[b % width] += lanes[b];                                             \
+                    lanes[b] = 0;                                                              \
+                }                                                                              \
+                since_flush = 0;                                                               \
+            }                                                                                  \
+        }                                                                                      \
+        for (int64_t b = 0; b < BIN_LANES * width; b++) counts[b % width] += lanes[b];         \
+        return STATUS_OK;                                                                      \
+    }
+
+DEFINE_BINS(bins_f32, float)
+DEFINE_BINS(bins_f64, double)
+
+/* ---- order statistics: introselect on a gathered copy --------------------------------------- */
+
+#define DEFINE_SELECT(NAME, T)                                                                 \
+    static void NAME##_sift(T* a, int64_t start, int64_t root, int64_t end) {                  \
+        for (;;) {                                                                             \
+            int64_t child = 2 * (root - start) + 1 + start;                                    \
+            if (child >= end) return;                                                          \
+            if (child + 1 < end && a[child] < a[child + 1]) child++;                           \
+            if (!(a[root] < a[child])) return;                                                 \
+            T t = a[root];                                                                     \
+            a[root] = a[child];                                                                \
+            a[child] = t;                                                                      \
+            root = child;                                                                      \
+        }                                                                                      \
+    }                                                                                          \
+    /* heapsort of a[lo..hi]: the fallback that bounds an unlucky selection's time */          \
+    static void NAME##_heapsort(T* a, int64_t lo, int64_t hi) {                                \
+        int64_t end = hi + 1;                                                                  \
+        for (int64_t root = lo + (end - lo) / 2 - 1; root >= lo; root--)                       \
+            NAME##_sift(a, lo, root, end);                                                     \
+        for (int64_t last = end - 1; last > lo; last--) {                                      \
+            T t = a[lo];                                                                       \
+            a[lo] = a[last];                                                                   \
+            a[last] = t;                                                                       \
+            NAME##_sift(a, lo, lo, last);                                                      \
+        }                                                                                      \
+    }                                                                                          \
+    /* Put the k-th smallest of a[lo..hi] at a[k], the smaller before it, the larger after. */ \
+    static void NAME(T* a, int64_t lo, int64_t hi, int64_t k) {                                \
+        int budget = 64;                                                                       \
+        while (hi > lo) {                                                                      \
+            if (--budget < 0) {                                                                \
+                NAME##_heapsort(a, lo, hi);                                                    \
+                return;                                                                        \
+            }                                                                                  \
+            int64_t mid = lo + (hi - lo) / 2;                                                  \
+            T x = a[lo], y = a[mid], z = a[hi];                                                \
+            T pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));   \
+            int64_t i = lo, j = hi;                                                            \
+            while (i <= j) {                                                                   \
+                while (a[i] < pivot) i++;                                                      \
+                while (pivot < a[j]) j--;                                                      \
+                if (i <= j) {                                                                  \
+                    T t = a[i];                                                                \
+                    a[i] = a[j];                                                               \
+                    a[j] = t;                                                                  \
+                    i++;                                                                       \
+                    j--;                                                                       \
+                }                                                                              \
+            }                                                                                  \
+            if (k <= j)                                                                        \
+                hi = j;                                                                        \
+            else if (k >= i)                                                                   \
+                lo = i;                                                                        \
+            else                                                                               \
+                return;                                                                        \
+        }                                                                                      \
+    }
+
+DEFINE_SELECT(select_f32, float)
+DEFINE_SELECT(select_f64, double)
+
+/* The entries at ``ranks`` (ascending) of the sorted x[index[0..m)] (x[0..m) without index). */
+#define DEFINE_ORDER(NAME, SELECT, T)                                                          \
+    static int NAME(const T* x, const int64_t* index, int64_t m, const int64_t* ranks,         \
+                    int64_t count, double* out) {                                              \
+        T* copy = (T*)malloc((size_t)m * sizeof(T));                                           \
+        if (copy == NULL) return -1;                                                           \
+        if (index != NULL)                                                                     \
+            for (int64_t i = 0; i < m; i++) copy[i] = x[index[i]];                             \
+        else                                                                                   \
+            memcpy(copy, x, (size_t)m * sizeof(T));                                            \
+        int64_t from = 0;                                                                      \
+        for (int64_t r = 0; r < count; r++) {                                                  \
+            /* what is left of a selection holds every later (larger) rank */                 \
+            SELECT(copy, from, m - 1, ranks[r]);                                               \
+            out[r] = (double)copy[ranks[r]];                                                   \
+            from = ranks[r];                                                                   \
+        }                                                                                      \
+        free(copy);                                                                            \
+        return 0;                                                                              \
+    }
+
+DEFINE_ORDER(order_f32, select_f32, float)
+DEFINE_ORDER(order_f64, select_f64, double)
+
+/* ---- the Python functions ------------------------------------------------------------------ */
+
+static int as_int64(PyObject* value, int64_t* out) {
+    long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+static int as_pointer(PyObject* value, void** out) {
+    *out = PyLong_AsVoidPtr(value);
+    return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int check_args(Py_ssize_t nargs, Py_ssize_t expected, const char* name) {
+    if (nargs == expected) return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, expected, nargs);
+    return -1;
+}
+
+/* reduce(data, n, dtype, index, m, ranks, count, bins, out, counts) -> status
+ *
+ * out (double): total, squares, lo, hi, zeros, the ``count`` order statistics at ``ranks``
+ * (ascending) of the subsample x[index[0..m)] (index 0: the first m entries; m 0: none), then
+ * the grid's lo, hi, half_lo and scale; counts (int64, ``bins + 1``, zeroed here): the bins, the
+ * max's bucket last. ``bins`` 0: no histogram. A non-finite entry (sums not finite) stops after
+ * the sums (status 1); an offset past the last bin stops the binning (status 2).
+ */
+static PyObject* reduce(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    void *data, *index, *ranks, *out_pointer, *counts_pointer;
+    int64_t n, dtype, m, count, bins;
+    if (check_args(nargs, 10, "reduce") || as_pointer(args[0], &data) ||
+        as_int64(args[1], &n) || as_int64(args[2], &dtype) || as_pointer(args[3], &index) ||
+        as_int64(args[4], &m) || as_pointer(args[5], &ranks) || as_int64(args[6], &count) ||
+        as_int64(args[7], &bins) || as_pointer(args[8], &out_pointer) ||
+        as_pointer(args[9], &counts_pointer))
+        return NULL;
+    double* out = (double*)out_pointer;
+    int64_t* counts = (int64_t*)counts_pointer;
+    uint32_t* lanes = NULL;
+    if (bins > 0) {
+        lanes = (uint32_t*)calloc((size_t)BIN_LANES * (size_t)(bins + 1), sizeof(uint32_t));
+        if (lanes == NULL) return PyErr_NoMemory();
+    }
+    int status = STATUS_OK, failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    Summary s;
+    if (dtype == DTYPE_FLOAT32)
+        summary_f32((const float*)data, n, &s);
+    else
+        summary_f64((const double*)data, n, &s);
+    out[0] = s.total;
+    out[1] = s.squares;
+    out[2] = s.lo;
+    out[3] = s.hi;
+    out[4] = s.zeros;
+    if (!isfinite(s.total) || !isfinite(s.squares)) {
+        status = STATUS_NONFINITE;
+    } else {
+        if (m > 0) {
+            double* found = out + 5;
+            failed = dtype == DTYPE_FLOAT32
+                         ? order_f32((const float*)data, (const int64_t*)index, m,
+                                     (const int64_t*)ranks, count, found)
+                         : order_f64((const double*)data, (const int64_t*)index, m,
+                                     (const int64_t*)ranks, count, found);
+        }
+        if (!failed && bins > 0) {
+            double* grid = out + 5 + count;
+            memset(counts, 0, sizeof(int64_t) * (size_t)(bins + 1));
+            if (dtype == DTYPE_FLOAT32) {
+                grid_f32((float)s.lo, (float)s.hi, (int32_t)bins, grid);
+                status = bins_f32((const float*)data, n, (float)grid[2], (float)grid[3],
+                                  (int32_t)bins, lanes, counts);
+            } else {
+                grid_f64(s.lo, s.hi, (int32_t)bins, grid);
+                status =
+                    bins_f64((const double*)data, n, grid[2], grid[3], (int32_t)bins, lanes, counts);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(lanes);
+    if (failed) return PyErr_NoMemory();
+    return PyLong_FromLong(status);
+}
+
+/* histogram(data, n, dtype, lo, hi, bins, grid, counts) -> status: the grid over [lo, hi] (four
+ * doubles into ``grid``) and the bins of every entry (``bins + 1`` int64 into ``counts``). */
+static PyObject* histogram(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    void *data, *grid_pointer, *counts_pointer;
+    int64_t n, dtype, bins;
+    if (check_args(nargs, 8, "histogram") || as_pointer(args[0], &data) ||
+        as_int64(args[1], &n) || as_int64(args[2], &dtype) || as_int64(args[5], &bins) ||
+        as_pointer(args[6], &grid_pointer) || as_pointer(args[7], &counts_pointer))
+        return NULL;
+    double lo = PyFloat_AsDouble(args[3]), hi = PyFloat_AsDouble(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    double* grid = (double*)grid_pointer;
+    int64_t* counts = (int64_t*)counts_pointer;
+    uint32_t* lanes = (uint32_t*)calloc((size_t)BIN_LANES * (size_t)(bins + 1), sizeof(uint32_t));
+    if (lanes == NULL) return PyErr_NoMemory();
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    memset(counts, 0, sizeof(int64_t) * (size_t)(bins + 1));
+    if (dtype == DTYPE_FLOAT32) {
+        grid_f32((float)lo, (float)hi, (int32_t)bins, grid);
+        status = bins_f32((const float*)data, n, (float)grid[2], (float)grid[3], (int32_t)bins,
+                          lanes, counts);
+    } else {
+        grid_f64(lo, hi, (int32_t)bins, grid);
+        status = bins_f64((const double*)data, n, grid[2], grid[3], (int32_t)bins, lanes, counts);
+    }
+    Py_END_ALLOW_THREADS
+    free(lanes);
+    return PyLong_FromLong(status);
+}
+
+/* order_statistics(data, dtype, index, m, ranks, count, out): the entries at ``ranks``
+ * (ascending) of the sorted x[index[0..m)] (index 0: x[0..m)) into ``out`` (doubles). */
+static PyObject* order_statistics(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    void *data, *index, *ranks, *out;
+    int64_t dtype, m, count;
+    if (check_args(nargs, 7, "order_statistics") || as_pointer(args[0], &data) ||
+        as_int64(args[1], &dtype) || as_pointer(args[2], &index) || as_int64(args[3], &m) ||
+        as_pointer(args[4], &ranks) || as_int64(args[5], &count) || as_pointer(args[6], &out))
+        return NULL;
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = dtype == DTYPE_FLOAT32 ? order_f32((const float*)data, (const int64_t*)index, m,
+                                                (const int64_t*)ranks, count, (double*)out)
+                                    : order_f64((const double*)data, (const int64_t*)index, m,
+                                                (const int64_t*)ranks, count, (double*)out);
+    Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"reduce", (PyCFunction)(void (*)(void))reduce, METH_FASTCALL,
+     "Sums, extremes, zeros, order statistics and histogram of one tensor."},
+    {"histogram", (PyCFunction)(void (*)(void))histogram, METH_FASTCALL,
+     "The grid and bins of one tensor whose min and max are known."},
+    {"order_statistics", (PyCFunction)(void (*)(void))order_statistics, METH_FASTCALL,
+     "Entries of the sorted subsample at the given ranks."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_definition = {
+    PyModuleDef_HEAD_INIT, "_kernels", "Compiled CPU reductions (see reducers/_native.py).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module_definition); }

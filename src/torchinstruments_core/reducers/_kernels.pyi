@@ -1,0 +1,21 @@
+"""Types of the compiled CPU reductions (``_kernels.c``); see ``_native.py`` for their use."""
+
+def reduce(
+    data: int,
+    numel: int,
+    dtype: int,
+    index: int,
+    size: int,
+    ranks: int,
+    count: int,
+    bins: int,
+    out: int,
+    counts: int,
+    /,
+) -> int: ...
+def histogram(
+    data: int, numel: int, dtype: int, lo: float, hi: float, bins: int, grid: int, counts: int, /
+) -> int: ...
+def order_statistics(
+    data: int, dtype: int, index: int, size: int, ranks: int, count: int, out: int, /
+) -> None: ...

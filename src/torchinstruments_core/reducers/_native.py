@@ -1,0 +1,201 @@
+"""The compiled CPU reductions (``_kernels.c``): whether they are there, and the calls into them.
+
+On the CPU the default profile's work for one tensor (sums, extremes, zeros, the quartiles'
+order statistics, the histogram) is one call into ``_kernels``, which releases the GIL for all
+of it. The extension is optional: a build without a C compiler has none, and
+``TORCHINSTRUMENTS_NATIVE=0`` in the environment (read at import) leaves it unused. Without it
+the same statistics come from numpy and torch (``_host``, ``_host_binning``, ``_select``):
+histograms, extremes, zero counts and quartiles bit for bit the same, sums (and so mean, std,
+rms and l2_norm) within their rounding (per-lane double sums here, blocked float32 sums there).
+
+Every function here takes a flat float32 or float64 CPU tensor (``usable``) and never keeps it;
+it reads a contiguous one in place and a strided one (a 1-D view with a step) from a contiguous
+copy.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from numpy.typing import NDArray
+
+ENVIRONMENT_SWITCH = "TORCHINSTRUMENTS_NATIVE"
+"""Set to ``0`` to reduce with numpy and torch although the compiled kernels are installed."""
+
+STATUS_OK = 0
+STATUS_NONFINITE = 1
+"""A sum is not finite: an entry is NaN or infinite, or (float64) the entries overflow a sum."""
+STATUS_BIN_OVERFLOW = 2
+"""The grid's rounding put an entry past the last bin (millions of bins; see ``_host_binning``)."""
+
+_DTYPES = {torch.float32: 0, torch.float64: 1}
+_SUMMARY = 5
+"""Leading values of ``reduce``'s output: total, squares, lo, hi, zeros."""
+_GRID = 4
+"""Trailing values of ``reduce``'s output with a histogram: the grid's lo, hi, half_lo, scale."""
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get(ENVIRONMENT_SWITCH, "1").strip() == "0":
+        return None
+    try:
+        import torchinstruments_core.reducers._kernels as kernels
+    except ImportError:  # built without a C compiler: numpy and torch reduce instead
+        return None
+    return kernels
+
+
+KERNELS: ModuleType | None = _load()
+"""The compiled module, or ``None`` (not built, or switched off)."""
+
+
+def usable(values: torch.Tensor) -> bool:
+    """Whether the kernels are there and can read ``values``.
+
+    That is a plain (not a subclass) float32 or float64 CPU tensor without a lazy negation;
+    what ``PreparedTensor.values`` is for every plain CPU tensor it prepares.
+    """
+    return (
+        KERNELS is not None
+        and type(values) is torch.Tensor
+        and values.dtype in _DTYPES
+        and values.device.type == "cpu"
+        and not values.is_neg()
+    )
+
+
+def _dense(values: torch.Tensor) -> torch.Tensor:
+    """``values`` in contiguous memory, as the kernels read it: itself, or a copy if strided."""
+    return values if values.is_contiguous() else values.contiguous()
+
+
+class Reduced(NamedTuple):
+    """What ``reduce`` gives for one tensor."""
+
+    status: int
+    """``STATUS_OK``, ``STATUS_NONFINITE`` (only the sums are set) or ``STATUS_BIN_OVERFLOW``."""
+    total: float
+    squares: float
+    lo: float
+    hi: float
+    zeros: int
+    ordered: list[float]
+    """The entries at the ranks asked for, in the order asked (ascending)."""
+    grid: list[float]
+    """The histogram grid's lo, hi, half_lo and scale (exact values of the working dtype)."""
+    counts: NDArray[np.int64] | None
+    """``bins + 1`` counts: each bin's, then the max's bucket (to be folded into the last)."""
+
+
+def reduce(
+    values: torch.Tensor,
+    index: torch.Tensor | None,
+    size: int,
+    ranks: NDArray[np.int64],
+    bins: int,
+) -> Reduced:
+    """One pass for the summary, the order statistics of a subsample, a pass for the bins.
+
+    Args:
+        values: A ``usable`` tensor of at least one entry.
+        index: Positions of the subsample (int64, contiguous), or ``None`` for the first
+            ``size`` entries (all of them when ``size`` is ``values.numel()``).
+        size: Entries in the subsample; 0 for no order statistics.
+        ranks: Ascending ranks in ``[0, size)`` of the sorted subsample to return.
+        bins: Histogram bins over ``[min, max]``; 0 for no histogram.
+    """
+    assert KERNELS is not None, "reduce needs the compiled kernels (check usable first)"
+    values = _dense(values)
+    count = ranks.size if size else 0
+    out = np.empty(_SUMMARY + count + _GRID, dtype=np.float64)
+    counts = np.empty(bins + 1, dtype=np.int64) if bins else None
+    status = KERNELS.reduce(
+        values.data_ptr(),
+        values.numel(),
+        _DTYPES[values.dtype],
+        0 if index is None else index.data_ptr(),
+        size,
+        ranks.ctypes.data,
+        count,
+        bins,
+        out.ctypes.data,
+        0 if counts is None else counts.ctypes.data,
+    )
+    numbers = out.tolist()
+    return Reduced(
+        status,
+        numbers[0],
+        numbers[1],
+        numbers[2],
+        numbers[3],
+        int(numbers[4]),
+        numbers[_SUMMARY : _SUMMARY + count],
+        numbers[_SUMMARY + count :],
+        counts,
+    )
+
+
+def histogram(
+    values: torch.Tensor, lo: float, hi: float, bins: int
+) -> tuple[int, list[float], NDArray[np.int64]]:
+    """The grid over ``[lo, hi]`` (lo, hi, half_lo, scale) and the ``bins + 1`` bucket counts.
+
+    Args:
+        values: A ``usable`` tensor, every entry finite, whose smallest entry is ``lo`` and
+            largest ``hi``.
+        lo: The smallest entry.
+        hi: The largest entry.
+        bins: Number of bins.
+
+    Returns:
+        The status (``STATUS_OK`` or ``STATUS_BIN_OVERFLOW``), the grid and the counts.
+    """
+    assert KERNELS is not None, "histogram needs the compiled kernels (check usable first)"
+    values = _dense(values)
+    grid = np.empty(_GRID, dtype=np.float64)
+    counts = np.empty(bins + 1, dtype=np.int64)
+    status = KERNELS.histogram(
+        values.data_ptr(),
+        values.numel(),
+        _DTYPES[values.dtype],
+        lo,
+        hi,
+        bins,
+        grid.ctypes.data,
+        counts.ctypes.data,
+    )
+    return status, grid.tolist(), counts
+
+
+def order_statistics(
+    values: torch.Tensor, index: torch.Tensor | None, size: int, ranks: NDArray[np.int64]
+) -> list[float]:
+    """The entries at ``ranks`` (ascending) of the sorted subsample ``values[index]``.
+
+    Args:
+        values: A ``usable`` tensor whose subsampled entries are all finite.
+        index: Positions of the subsample (int64, contiguous), or ``None`` for the first
+            ``size`` entries.
+        size: Entries in the subsample.
+        ranks: Ascending ranks in ``[0, size)``.
+    """
+    assert KERNELS is not None, "order_statistics needs the compiled kernels"
+    values = _dense(values)
+    out = np.empty(ranks.size, dtype=np.float64)
+    KERNELS.order_statistics(
+        values.data_ptr(),
+        _DTYPES[values.dtype],
+        0 if index is None else index.data_ptr(),
+        size,
+        ranks.ctypes.data,
+        ranks.size,
+        out.ctypes.data,
+    )
+    return out.tolist()

@@ -1,0 +1,308 @@
+"""The compiled CPU reductions (``reducers/_kernels.c``) against numpy, and the fused path.
+
+The histogram's grid and bins are checked against the torch path at every scale in
+``test_host_binning.py`` and the quartiles in ``test_quartile_subsample.py``, both run once with
+the kernels and once without (``reduction_path``); here: the one-pass summary, the order
+statistics, strided input, the GIL, the switch, and ``FusedReductions`` against the reducers.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from torchinstruments_core._measure import Measurer
+from torchinstruments_core.reducers import (
+    HistogramReducer,
+    MomentsReducer,
+    PreparedTensor,
+    QuantileReducer,
+    _native,
+    default_reducers,
+    precision_reducers,
+)
+from torchinstruments_core.reducers._fused import FusedReductions
+from torchinstruments_core.reducers._host import _blocked_summary, summarize
+
+pytestmark = pytest.mark.skipif(_native.KERNELS is None, reason="the kernels are not built here")
+
+_NO_RANKS = np.empty(0, dtype=np.int64)
+
+
+def _arrays(dtype: type[np.floating]) -> list[np.ndarray]:
+    rng = np.random.default_rng(3)
+    sizes = [1, 2, 15, 16, 17, 255, 4097, 65_536 + 33, 300_001]
+    arrays = [rng.standard_normal(size).astype(dtype) for size in sizes]
+    arrays.append(np.maximum(rng.standard_normal(100_003), 0).astype(dtype))  # half zeros
+    arrays.append(np.zeros(1000, dtype=dtype))
+    arrays.append(np.array([-0.0, 0.0, -0.0], dtype=dtype))
+    arrays.append((rng.standard_normal(50_000) * 1e-30 + 5.0).astype(dtype))
+    arrays.append(np.arange(70_000, dtype=dtype))
+    return arrays
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_one_pass_summary_equals_numpy(dtype: type[np.floating]) -> None:
+    """Extremes and zero count exactly numpy's; the sums within 1e-12 of ``math.fsum``'s.
+
+    The sums are accumulated in double, so they are closer to the exact sums than the blocked
+    float32 sums of the numpy path, which stay within 1e-6.
+    """
+    for array in _arrays(dtype):
+        native = summarize(torch.from_numpy(array))
+        blocked = _blocked_summary(torch.from_numpy(array))
+        assert native is not None
+        assert blocked is not None
+        assert (native.lo, native.hi) == (float(array.min()), float(array.max()))
+        assert native.zeros == int(np.count_nonzero(array == 0)) == blocked.zeros
+        exact = math.fsum(array.astype(np.float64).tolist())
+        squares = math.fsum(np.square(array.astype(np.float64)).tolist())
+        assert native.total == pytest.approx(exact, rel=1e-12, abs=1e-9)
+        assert native.squares == pytest.approx(squares, rel=1e-12, abs=1e-9)
+        assert blocked.total == pytest.approx(exact, rel=1e-6, abs=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_nonfinite_entry_anywhere_stops_the_pass(dtype: torch.dtype, bad: float) -> None:
+    """A NaN or an infinity at the first, a middle, the last lane's or the tail's entry."""
+    for numel in (1, 16, 33, 100_003):
+        for position in {0, numel // 2, numel - 1, max(numel - 17, 0)}:
+            values = torch.randn(numel, dtype=dtype)
+            values[position] = bad
+            reduced = _native.reduce(values, None, 0, _NO_RANKS, 64)
+            assert reduced.status == _native.STATUS_NONFINITE
+            assert summarize(values) is None
+
+
+def test_finite_float32_entries_whose_float32_sum_overflows_are_summarized() -> None:
+    """Sums in double hold what a float32 sum cannot: the tensor is known all finite."""
+    values = torch.full((1000,), 3e38)
+    summary = summarize(values)
+    assert summary is not None
+    assert summary.total == pytest.approx(3e41)
+    prepared = PreparedTensor(values, torch.Generator())
+    assert prepared.all_finite is True
+    assert MomentsReducer().reduce(prepared)[0].item() == pytest.approx(3e38)
+
+
+def _patterns(numel: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(numel)
+    ramp = np.arange(numel, dtype=np.float64)
+    organ = np.concatenate([ramp[: numel // 2], ramp[: numel - numel // 2][::-1]])
+    return [
+        rng.standard_normal(numel),
+        np.maximum(rng.standard_normal(numel), 0),  # ties: half zeros
+        np.round(rng.standard_normal(numel) * 2),  # a few values, many ties
+        ramp,
+        ramp[::-1].copy(),
+        np.full(numel, 7.0),
+        organ,
+    ]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("numel", [1, 2, 3, 100, 8192, 40_000])
+def test_order_statistics_equal_numpys_sort(dtype: type[np.floating], numel: int) -> None:
+    """The entries at any ranks are those of ``np.sort``, with a gather index and without."""
+    rng = np.random.default_rng(11)
+    for pattern in _patterns(numel):
+        array = pattern.astype(dtype)
+        tensor = torch.from_numpy(array)
+        ranks = np.unique(rng.integers(0, numel, size=7)).astype(np.int64)
+        ranks = np.unique(np.concatenate([ranks, [0, numel - 1]])).astype(np.int64)
+        found = _native.order_statistics(tensor, None, numel, ranks)
+        assert found == np.sort(array)[ranks].astype(np.float64).tolist()
+        index = torch.from_numpy(rng.integers(0, numel, size=numel))
+        gathered = np.sort(array[index.numpy()])
+        assert _native.order_statistics(tensor, index, numel, ranks) == gathered[ranks].tolist()
+
+
+def test_a_strided_tensor_reduces_as_its_contiguous_copy() -> None:
+    """A 1-D view with a step is copied for the kernels: the same summary, bins and ranks."""
+    base = torch.randn(2 * 70_001)
+    strided, dense = base[::2], base[::2].contiguous()
+    ranks = np.array([0, 5, 100], dtype=np.int64)
+    index = torch.randint(70_001, (512,))
+    one = _native.reduce(strided, index, 512, ranks, 32)
+    other = _native.reduce(dense, index, 512, ranks, 32)
+    assert one[:-1] == other[:-1]
+    assert one.counts is not None
+    assert other.counts is not None
+    assert np.array_equal(one.counts, other.counts)
+
+
+def test_a_kernel_call_lets_other_threads_run() -> None:
+    """The GIL is released for the whole reduction: Python keeps running beside it.
+
+    With the GIL held, the counting loop below could not run a single iteration while the
+    call lasts (tens of milliseconds for 32 M entries).
+    """
+    values = torch.randn(2**25)
+    ranks = np.array([0, 1000], dtype=np.int64)
+    index = torch.randint(values.numel(), (8192,))
+    started, done = threading.Event(), threading.Event()
+    elapsed: list[float] = []
+
+    def reduce() -> None:
+        started.set()
+        begin = time.perf_counter()
+        for _ in range(3):
+            _native.reduce(values, index, 8192, ranks, 64)
+        elapsed.append(time.perf_counter() - begin)
+        done.set()
+
+    thread = threading.Thread(target=reduce)
+    thread.start()
+    started.wait()
+    spins = 0
+    while not done.is_set():
+        spins += 1
+    thread.join()
+    assert elapsed[0] > 0.01
+    assert spins > 1000
+
+
+def test_the_environment_switch_leaves_the_kernels_unused() -> None:
+    """``TORCHINSTRUMENTS_NATIVE=0`` at import: numpy and torch reduce, with the same results."""
+    code = (
+        "import torch\n"
+        "from torchinstruments_core.reducers import _native\n"
+        "from torchinstruments_core._measure import Measurer\n"
+        "from torchinstruments_core.reducers import default_reducers, HistogramReducer\n"
+        "m = Measurer(default_reducers(), HistogramReducer(), background=False)\n"
+        "print(_native.KERNELS is None, m._fused is None)\n"
+    )
+    import os
+
+    for value, expected in (("0", "True True"), ("1", "False False")):
+        environment = {**os.environ, _native.ENVIRONMENT_SWITCH: value}
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=environment
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == expected
+
+
+class _Moments(MomentsReducer):
+    """A subclass: it may compute something else, so it is not fused."""
+
+
+@dataclass(frozen=True)
+class _Custom:
+    metrics: tuple[str, ...] = ("one",)
+
+    def reduce(self, tensor: PreparedTensor) -> torch.Tensor:
+        return torch.ones(1)
+
+
+def test_only_the_built_in_reducers_are_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exactly these classes, at most one of each, a plain histogram reducer, the kernels built."""
+    histogram = HistogramReducer()
+    assert FusedReductions.plan(default_reducers(), histogram) is not None
+    assert FusedReductions.plan([QuantileReducer(exact=True)], HistogramReducer(bins=7))
+    assert FusedReductions.plan([], histogram) is not None
+    assert FusedReductions.plan([_Moments(), QuantileReducer()], histogram) is None
+    assert FusedReductions.plan([MomentsReducer(), _Custom()], histogram) is None
+    twice = [QuantileReducer(), QuantileReducer(sample_size=9)]
+    assert FusedReductions.plan(twice, histogram) is None
+    assert FusedReductions.plan(precision_reducers(), histogram) is None
+    monkeypatch.setattr(_native, "KERNELS", None)
+    assert FusedReductions.plan(default_reducers(), histogram) is None
+
+
+def _tensors() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    big = torch.randn(64, 1024, generator=generator)
+    return [
+        torch.randn(1, generator=generator),
+        torch.randn(100, generator=generator),
+        torch.relu(torch.randn(8, 64, 192, generator=generator)),
+        big.t(),  # strided
+        big[:, ::3],  # a strided view
+        big.to(torch.bfloat16),
+        torch.randn(30_000, dtype=torch.float64, generator=generator),
+        torch.full((5000,), 3.0),  # constant: the grid widens
+        torch.randn(20_000, generator=generator) * 1e-3 + 40.0,  # mean large against spread
+    ]
+
+
+@pytest.mark.parametrize(
+    "reducers",
+    [
+        default_reducers(),
+        (QuantileReducer(), MomentsReducer()),
+        (QuantileReducer(sample_size=30_000),),
+        (QuantileReducer(exact=True), MomentsReducer()),
+        (MomentsReducer(),),
+    ],
+)
+@pytest.mark.parametrize("with_histogram", [True, False])
+def test_the_fused_path_gives_the_reducers_values_bit_for_bit(
+    reducers: tuple[MomentsReducer | QuantileReducer, ...], with_histogram: bool
+) -> None:
+    """Every value of one kernel call equals what the reducers compute one by one.
+
+    Both read the same kernels; the subsample positions come from the same draws (a sample's
+    tensors of one size share one), so a measurer with the fused path and one without give
+    the same rows for a sequence of tensors.
+    """
+    fused = Measurer(reducers, HistogramReducer(bins=37), background=False)
+    plain = Measurer(reducers, HistogramReducer(bins=37), background=False)
+    assert fused._fused is not None
+    plain._fused = None
+    for measurer in (fused, plain):
+        measurer.new_sample()
+    for tensor in _tensors():
+        one = fused.measure(tensor, with_histogram=with_histogram)
+        other = plain.measure(tensor, with_histogram=with_histogram)
+        assert one.reason is None
+        assert other.reason is None
+        assert [_listed(r.values) for r in one.results] == [
+            _listed(r.values) for r in other.results
+        ]
+        assert [r.metrics for r in one.results] == [r.metrics for r in other.results]
+        assert one.n_finite is not None
+        assert other.n_finite is not None
+        assert int(one.n_finite) == int(other.n_finite) == tensor.numel()
+        if with_histogram:
+            assert one.histogram is not None
+            assert other.histogram is not None
+            assert torch.equal(one.histogram, other.histogram)
+            assert one.histogram_float64 == other.histogram_float64
+        else:
+            assert one.histogram is None
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.tensor([1.0, math.nan, 3.0]),
+        torch.tensor([1.0, math.inf]),
+        torch.full((10,), 1e30),  # squares that need scaling
+        torch.full((10,), 1e-30),
+    ],
+)
+def test_the_fused_path_leaves_odd_tensors_to_the_reducers(tensor: torch.Tensor) -> None:
+    """Non-finite entries and squares that need scaling give nothing; the reducers then run."""
+    fusion = FusedReductions.plan(default_reducers(), HistogramReducer())
+    assert fusion is not None
+    assert fusion.reduce(PreparedTensor(tensor, torch.Generator()), True) is None
+    measurer = Measurer(default_reducers(), HistogramReducer(), background=False)
+    measured = measurer.measure(tensor, with_histogram=True)
+    assert measured.reason is None
+    expected = MomentsReducer().reduce(PreparedTensor(tensor, torch.Generator()))
+    assert _listed(measured.results[0].values) == expected.tolist()
+
+
+def _listed(values: torch.Tensor | None) -> list[float]:
+    assert values is not None
+    return list(values.tolist())
