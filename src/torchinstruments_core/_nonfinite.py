@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from torchinstruments_core._rows import row_parts
 from torchinstruments_core._signals import RecordKind, Signal, tensor_root_of
 
 if TYPE_CHECKING:
@@ -126,13 +127,16 @@ def find_onset(record: SampleRecord) -> NonFiniteOnset | None:
 def _first(record: SampleRecord, signal: Signal) -> NonFiniteTensor | None:
     """The first tensor of ``signal`` with non-finite entries, in the order of the rows."""
     previous: float | None = None
-    for row in record.rows:
-        if row.metric != NONFINITE_METRIC or row.signal is not signal or row.value is None:
+    for part in row_parts(record.rows):  # the rows' parts: no ``StatRow`` is made
+        if part.signal is not signal:
             continue
-        if row.value > 0:
-            started = None if previous is None else previous == 0
-            return NonFiniteTensor(
-                row.layer, row.call_index, signal, row.tensor_path, row.value, started
-            )
-        previous = row.value
+        for metric, value in zip(part.metrics, part.values, strict=True):
+            if metric != NONFINITE_METRIC or value is None:
+                continue
+            if value > 0:
+                started = None if previous is None else previous == 0
+                return NonFiniteTensor(
+                    part.layer, part.call_index, signal, part.tensor_path, value, started
+                )
+            previous = value
     return None

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from torchinstruments_core._signals import RecordKind, Signal
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = [
     "STEP_SKIPPED",
@@ -98,7 +102,9 @@ class SampleRecord:
             for a step record.
         collection_duration_ms: Host time spent observing this sample (hooks, reductions launched,
             transfer), so the cost of telemetry is visible.
-        rows: The scalars, in the order they were measured.
+        rows: The scalars, in the order they were measured: a sequence of ``StatRow`` (the
+            engine's records keep them as a few columns per tensor until a row is read, see
+            ``_rows.SampleRows``; equal to a tuple of the same rows).
         histograms: Histograms of the focus modules.
         optimizer_step: The adapter's own count of optimizer steps (0, 1, 2 … since it began
             observing) when ``step`` is the user's number for that step (the Accelerate tracker
@@ -115,7 +121,7 @@ class SampleRecord:
     timestamp: float
     forward_only: bool
     collection_duration_ms: float
-    rows: tuple[StatRow, ...]
+    rows: Sequence[StatRow]
     histograms: tuple[HistogramRecord, ...]
     optimizer_step: int | None = None
     kind: RecordKind = RecordKind.FORWARD

@@ -26,6 +26,7 @@ from torchinstruments_core._records import (
     StatRow,
     UnavailableReason,
 )
+from torchinstruments_core._rows import RowPart, SampleRows, row_parts
 from torchinstruments_core._torch_private import version
 from torchinstruments_core._transfer import HostTransfer
 from torchinstruments_core.reducers._binning import split_histograms
@@ -254,21 +255,21 @@ class Sample:
                 yield measurement.histogram
 
     def build(self, transfer: HostTransfer, *, run_id: str, rank: int) -> SampleRecord:
-        """Turn the landed values into the sample's record."""
+        """Turn the landed values into the sample's record (its rows kept as ``RowPart``s)."""
         host = iter(transfer.wait())
         landed = {id(m): _landed(m, host) for m in self._distinct()}
-        rows: list[StatRow] = []
+        parts: list[RowPart] = []
         packed: list[tuple[Site, list[float], Measurement]] = []
         for site, measurement, histogram in self._measured:
             values = landed[id(measurement)]
-            rows.extend(_rows(site, measurement, values))
+            parts.append(_part(site, measurement, values))
             if histogram and values.histogram is not None:
                 packed.append((site, values.histogram, measurement))
         histograms = _histograms(packed)
         if not self.forward_only:
-            rows.extend(self._missing_gradient_rows())
+            parts.extend(self._missing_gradient_parts())
         if self.profiles:  # their CUDA events completed with the transfer
-            rows.extend(self._profile_rows())
+            parts.extend(row_parts(tuple(self._profile_rows())))
         return SampleRecord(
             run_id=run_id,
             rank=rank,
@@ -277,7 +278,7 @@ class Sample:
             timestamp=self.timestamp,
             forward_only=self.forward_only,
             collection_duration_ms=self.duration_s * 1000.0,
-            rows=tuple(rows),
+            rows=SampleRows(parts),
             histograms=tuple(histograms),
             kind=self.kind,
             note=self.note,
@@ -290,17 +291,16 @@ class Sample:
         for profile in self.profiles:
             yield from profile.rows(overhead, backward=not self.forward_only)
 
-    def _missing_gradient_rows(self) -> Iterator[StatRow]:
+    def _missing_gradient_parts(self) -> Iterator[RowPart]:
         for site, metrics in self._expected_gradients:
             if site not in self._received:
-                for metric in metrics:
-                    yield _row(site, metric, None, UnavailableReason.NO_GRADIENT)
+                missing = (None,) * len(metrics)
+                reasons = (UnavailableReason.NO_GRADIENT,) * len(metrics)
+                yield RowPart(*_where(site), metrics, missing, reasons)
 
 
-def _row(site: Site, metric: str, value: float | None, reason: str | None) -> StatRow:
-    return StatRow(
-        site.layer, site.call_index, site.signal, site.tensor_path, metric, value, reason
-    )
+def _where(site: Site) -> tuple[str, int, Signal, str]:
+    return site.layer, site.call_index, site.signal, site.tensor_path
 
 
 def _landed(measurement: Measurement, host: Iterator[list[float]]) -> _Landed:
@@ -311,28 +311,39 @@ def _landed(measurement: Measurement, host: Iterator[list[float]]) -> _Landed:
     return _Landed(n_finite, results, histogram)
 
 
-def _rows(site: Site, measurement: Measurement, landed: _Landed) -> list[StatRow]:
+def _part(site: Site, measurement: Measurement, landed: _Landed) -> RowPart:
     """The rows of one measurement at ``site``, from its values on the host."""
-    where = (site.layer, site.call_index, site.signal, site.tensor_path)
+    metrics = measurement.metrics
     if measurement.reason is not None:
-        return [StatRow(*where, metric, None, measurement.reason) for metric in measurement.metrics]
-    # a value that is not finite: none to take (no finite entries), or a statistic that overflowed
-    not_finite = (
-        UnavailableReason.NO_FINITE_VALUES
-        if landed.n_finite == 0
-        else UnavailableReason.NON_FINITE_RESULT
-    )
-    rows: list[StatRow] = []
-    for result, values in zip(measurement.results, landed.results, strict=True):
-        if values is None:
-            rows.extend(StatRow(*where, metric, None, result.error) for metric in result.metrics)
+        reasons = (measurement.reason,) * len(metrics)
+        return RowPart(*_where(site), metrics, (None,) * len(metrics), reasons)
+    values: list[float | None] = []
+    missing: list[str | None] | None = None  # each value's reason, once one is missing
+    for result, got in zip(measurement.results, landed.results, strict=True):
+        if got is not None and len(got) != len(result.metrics):
+            raise ValueError(f"{len(got)} values for the metrics {result.metrics}")
+        if got is not None and all(map(math.isfinite, got)):
+            values.extend(got)
+            if missing is not None:
+                missing.extend([None] * len(got))
             continue
-        for metric, value in zip(result.metrics, values, strict=True):
-            if math.isfinite(value):
-                rows.append(StatRow(*where, metric, value, None))
-            else:
-                rows.append(StatRow(*where, metric, None, not_finite))
-    return rows
+        if missing is None:
+            missing = [None] * len(values)
+        if got is None:
+            values.extend([None] * len(result.metrics))
+            missing.extend([result.error] * len(result.metrics))
+            continue
+        # a value that is not finite: none to take (no finite entries), or one that overflowed
+        reason = (
+            UnavailableReason.NO_FINITE_VALUES
+            if landed.n_finite == 0
+            else UnavailableReason.NON_FINITE_RESULT
+        )
+        for value in got:
+            finite = math.isfinite(value)
+            values.append(value if finite else None)
+            missing.append(None if finite else reason)
+    return RowPart(*_where(site), metrics, values, missing)
 
 
 def _histograms(packed: list[tuple[Site, list[float], Measurement]]) -> list[HistogramRecord]:

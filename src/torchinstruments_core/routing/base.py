@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from torchinstruments_core._exceptions import raise_collected
+from torchinstruments_core._rows import row_parts
 from torchinstruments_core._signals import (
     ALL_PARAMETERS,
     MODEL_KEY,
@@ -110,5 +111,10 @@ def summary_scalars(record: SampleRecord, prefix: str) -> dict[str, float]:
         {'telemetry/step/nonfinite_tensors': 0.0, 'telemetry/step/collection_duration_ms': 1.5}
     """
     nonfinite_key, duration_key = summary_keys(prefix, record.kind)
-    nonfinite = sum(1 for r in record.rows if r.metric == "nonfinite_fraction" and r.value)
+    nonfinite = sum(
+        1
+        for part in row_parts(record.rows)
+        for metric, value in zip(part.metrics, part.values, strict=True)
+        if metric == "nonfinite_fraction" and value
+    )
     return {nonfinite_key: float(nonfinite), duration_key: record.collection_duration_ms}

@@ -22,6 +22,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 from torchinstruments_core._exceptions import ConfigurationError, raise_collected
+from torchinstruments_core._rows import row_parts
 from torchinstruments_core._signals import (
     ALL_PARAMETERS,
     MODEL_LAYER,
@@ -34,7 +35,8 @@ from torchinstruments_core.routing.base import summary_keys, summary_scalars, te
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
 
-    from torchinstruments_core._records import HistogramRecord, RunInfo, SampleRecord, StatRow
+    from torchinstruments_core._records import HistogramRecord, RunInfo, SampleRecord
+    from torchinstruments_core._rows import RowPart
     from torchinstruments_core.routing.base import Target
 
 DEFAULT_SCALAR_METRICS = ("rms", "max_abs", "nonfinite_fraction")
@@ -152,17 +154,25 @@ class LoggerRouter:
         return [f"{self.prefix}/{key}/{metric}" for metric in ordered]
 
     def _scalars(self, sample: SampleRecord) -> dict[str, float]:
-        scalars = {
-            f"{self.prefix}/{_key(row)}/{row.metric}": row.value
-            for row in sample.rows
-            if row.value is not None and self._routes(row)
-        }
+        """The routed rows' values by key, read from the rows' parts (no ``StatRow`` made)."""
+        scalars: dict[str, float] = {}
+        for part in row_parts(sample.rows):
+            routed = self._routed_metrics(part)
+            if not routed:
+                continue
+            key = f"{self.prefix}/{_key(part)}"
+            for metric, value in zip(part.metrics, part.values, strict=True):
+                if value is not None and metric in routed:
+                    scalars[f"{key}/{metric}"] = value
         return scalars | summary_scalars(sample, self.prefix)
 
-    def _routes(self, row: StatRow) -> bool:
-        if row.layer == MODEL_LAYER:
-            return row.metric in self._model_metrics.get(row.signal, ())
-        return row.layer in self._layers and row.metric in self._layer_metrics.get(row.signal, ())
+    def _routed_metrics(self, part: RowPart) -> frozenset[str]:
+        """The metrics routed for the tensor of ``part`` (none for a layer not routed)."""
+        if part.layer == MODEL_LAYER:
+            return self._model_metrics.get(part.signal, frozenset())
+        if part.layer not in self._layers:
+            return frozenset()
+        return self._layer_metrics.get(part.signal, frozenset())
 
     def _histograms(self, records: Sequence[HistogramRecord]) -> dict[str, HistogramRecord]:
         return {
@@ -192,5 +202,5 @@ def _layer_metrics(signal: Signal, scalar_metrics: frozenset[str]) -> frozenset[
     return scalar_metrics if own is None else frozenset(own)
 
 
-def _key(item: StatRow | HistogramRecord) -> str:
+def _key(item: RowPart | HistogramRecord) -> str:
     return tensor_key(item.layer, item.call_index, item.signal, item.tensor_path)
