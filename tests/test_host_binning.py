@@ -67,6 +67,7 @@ def test_host_histogram_matches_the_torch_grid_and_binning_bit_for_bit(dtype: to
             assert torch.equal(host, _torch_path(values, bins)), (values[:4], bins)
 
 
+@pytest.mark.usefixtures("without_kernels")  # numpy's search, through its guess
 def test_edges_from_a_wrong_guess_equal_those_from_the_float64_estimate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -180,6 +181,7 @@ def test_lane_pattern_gives_neighbours_different_tables() -> None:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shift", [0, 300, -5000])
+@pytest.mark.usefixtures("without_kernels")  # numpy's search, through its guess
 def test_edges_searched_together_equal_edges_searched_one_by_one(
     monkeypatch: pytest.MonkeyPatch, dtype: type[np.floating], shift: int
 ) -> None:

@@ -25,12 +25,14 @@ from torchinstruments_core.reducers import (
     MomentsReducer,
     PreparedTensor,
     QuantileReducer,
+    _edges,
     _native,
     default_reducers,
     precision_reducers,
 )
 from torchinstruments_core.reducers._fused import FusedReductions
 from torchinstruments_core.reducers._host import _blocked_summary, summarize
+from torchinstruments_core.reducers._host_binning import host_grid
 
 pytestmark = pytest.mark.skipif(_native.KERNELS is None, reason="the kernels are not built here")
 
@@ -306,3 +308,43 @@ def test_the_fused_path_leaves_odd_tensors_to_the_reducers(tensor: torch.Tensor)
 def _listed(values: torch.Tensor | None) -> list[float]:
     assert values is not None
     return list(values.tolist())
+
+
+def _grids(dtype: type[np.floating], rng: np.random.Generator) -> list[tuple[float, float]]:
+    """Ranges at every scale, across zero, narrow, and at the ends of the float range."""
+    finfo = np.finfo(dtype)
+    largest, tiny = float(finfo.max), float(finfo.smallest_subnormal)
+    ranges = [(-largest, largest), (largest, largest), (-largest, -largest), (0.0, tiny)]
+    ranges += [(-0.0, 0.0), (3.0, 3.0), (1e8, 1e8 + 16), (-1.0, 1.0), (tiny, 3 * tiny)]
+    top = 38 if dtype is np.float32 else 307
+    for _ in range(300):
+        exponent = rng.uniform(-top, top)
+        low = rng.standard_normal() * 10**exponent
+        with np.errstate(over="ignore"):
+            high = dtype(low + abs(rng.standard_normal()) * 10 ** (exponent + rng.uniform(-12, 3)))
+        if np.isfinite(high):
+            ranges.append((float(dtype(low)), float(high)))
+    return ranges
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_edges_bisected_in_c_are_numpys(
+    dtype: type[np.floating], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every edge the kernels find is the one numpy's search finds, at every scale and bins.
+
+    Wide float64 ranges across zero span more than an int64 of float keys: the bisection
+    must not overflow there.
+    """
+    rng = np.random.default_rng(21)
+    float64 = dtype is np.float64
+    grids: list[tuple[int, tuple[float, float, float]]] = []
+    for lo, hi in _grids(dtype, rng):
+        for bins in (1, 2, 7, 64, 1000):
+            grid = host_grid(lo, hi, bins, dtype)
+            if np.isfinite(grid.lo) and np.isfinite(grid.hi):
+                grids.append((bins, (float(grid.lo), float(grid.hi), float(grid.scale))))
+    found = [_native.edges(*grid, bins, float64=float64) for bins, grid in grids]
+    monkeypatch.setattr(_native, "KERNELS", None)
+    expected = [_edges.histograms_edges([grid], bins, float64=float64)[0] for bins, grid in grids]
+    assert found == expected

@@ -9,6 +9,8 @@ device's thresholds bit for bit; on an accelerator that replaces a hundred tiny 
 histogram with a few microseconds of host work after the sample's transfer. The histograms of
 a sample are searched together (``histograms_edges``): one set of array operations for all of
 them instead of one per histogram, which would cost about 60 us each on the training thread.
+With the compiled kernels (``_native``) each threshold is bisected in C instead: the same
+definition (the first float that reaches the bin), so the same edges, in about 2 us a histogram.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from torchinstruments_core.reducers import _native
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -124,6 +128,10 @@ def histograms_edges(
     edges = [[math.nan] * (bins + 1) for _ in grids]
     finite = [i for i, (lo, hi, _) in enumerate(grids) if math.isfinite(lo) and math.isfinite(hi)]
     if not finite:
+        return edges
+    if _native.KERNELS is not None:  # the same edges, bisected in C: 2 us a histogram
+        for index in finite:
+            edges[index] = _native.edges(*grids[index], bins, float64=float64)
         return edges
     lo, hi, scale = (np.array([grids[i][k] for i in finite], dtype=dtype) for k in range(3))
     per_target = np.repeat(np.arange(len(finite)), bins - 1)  # each grid's bins - 1 targets

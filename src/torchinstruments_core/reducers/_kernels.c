@@ -264,6 +264,79 @@ DEFINE_SELECT(select_f64, double)
 DEFINE_ORDER(order_f32, select_f32, float)
 DEFINE_ORDER(order_f64, select_f64, double)
 
+/* ---- the edges: the first float of each bin (reducers/_edges.py, found by bisection) -------- */
+
+/* Floats as integer keys in their order (-0.0 and 0.0 share key 0), and back. */
+static int64_t key_f32(float x) {
+    int32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return bits < 0 ? -(int64_t)(bits & 0x7fffffff) : (int64_t)bits;
+}
+static float float_f32(int64_t key) {
+    uint32_t bits = key < 0 ? (uint32_t)(-key) | 0x80000000u : (uint32_t)key;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+static int64_t key_f64(double x) {
+    int64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return bits < 0 ? -(bits & INT64_MAX) : bits;
+}
+static double float_f64(int64_t key) {
+    uint64_t bits = key < 0 ? (uint64_t)(-key) | ((uint64_t)1 << 63) : (uint64_t)key;
+    double x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* Each inner edge is the smallest key in (key(lo), key(hi)] whose float's offset reaches its bin:
+   the bin function is non-decreasing, so a bisection finds it, from a bracket of a few keys
+   around the nominal edge when that holds it (nearly always), else from the whole range. */
+#define DEFINE_EDGES(NAME, T, KEY, FLOAT)                                                      \
+    static int NAME##_reached(int64_t key, T half_lo, T scale, T target) {                     \
+        return (FLOAT(key) * (T)0.5 - half_lo) * scale >= target;                              \
+    }                                                                                          \
+    static void NAME(T lo, T hi, T scale, int32_t bins, double* out) {                         \
+        const T half_lo = lo * (T)0.5;                                                         \
+        const int64_t first = KEY(lo), last = KEY(hi);                                         \
+        out[0] = (double)lo;                                                                   \
+        out[bins] = (double)hi;                                                                \
+        int64_t floor_key = first; /* edges do not decrease: each bounds the next */           \
+        for (int32_t bin = 1; bin < bins; bin++) {                                             \
+            const T target = (T)bin;                                                           \
+            int64_t low = floor_key, high = last;                                              \
+            double nominal = ((double)bin / (double)scale + (double)half_lo) * 2.0;            \
+            int64_t guess = KEY((T)nominal);                                                   \
+            if (guess > low && guess <= high) {                                                \
+                int64_t below = guess - 4 > low ? guess - 4 : low;                             \
+                int64_t above = guess + 4 < high ? guess + 4 : high;                           \
+                if (!NAME##_reached(below, half_lo, scale, target) || below == low) {          \
+                    if (NAME##_reached(above, half_lo, scale, target)) {                       \
+                        low = below;                                                           \
+                        high = above;                                                          \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+            if (low != floor_key && NAME##_reached(low, half_lo, scale, target)) {             \
+                low = floor_key; /* a bracket that does not hold the edge: the whole range */  \
+                high = last;                                                                   \
+            }                                                                                  \
+            while (low + 1 < high) { /* high - low may overflow an int64 */               \
+                int64_t middle = (low >> 1) + (high >> 1) + (low & high & 1);                  \
+                if (NAME##_reached(middle, half_lo, scale, target))                            \
+                    high = middle;                                                             \
+                else                                                                           \
+                    low = middle;                                                              \
+            }                                                                                  \
+            out[bin] = (double)FLOAT(high);                                                    \
+            floor_key = high - 1;                                                              \
+        }                                                                                      \
+    }
+
+DEFINE_EDGES(edges_f32, float, key_f32, float_f32)
+DEFINE_EDGES(edges_f64, double, key_f64, float_f64)
+
 /* ---- the Python functions ------------------------------------------------------------------ */
 
 static int as_int64(PyObject* value, int64_t* out) {
@@ -405,6 +478,26 @@ static PyObject* order_statistics(PyObject* module, PyObject* const* args, Py_ss
     Py_RETURN_NONE;
 }
 
+/* edges(dtype, lo, hi, scale, bins, out): the ``bins + 1`` edges of the grid (doubles). */
+static PyObject* edges(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    void* out;
+    int64_t dtype, bins;
+    if (check_args(nargs, 6, "edges") || as_int64(args[0], &dtype) || as_int64(args[4], &bins) ||
+        as_pointer(args[5], &out))
+        return NULL;
+    double lo = PyFloat_AsDouble(args[1]), hi = PyFloat_AsDouble(args[2]);
+    double scale = PyFloat_AsDouble(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (dtype == DTYPE_FLOAT32)
+        edges_f32((float)lo, (float)hi, (float)scale, (int32_t)bins, (double*)out);
+    else
+        edges_f64(lo, hi, scale, (int32_t)bins, (double*)out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"reduce", (PyCFunction)(void (*)(void))reduce, METH_FASTCALL,
      "Sums, extremes, zeros, order statistics and histogram of one tensor."},
@@ -412,6 +505,8 @@ static PyMethodDef methods[] = {
      "The grid and bins of one tensor whose min and max are known."},
     {"order_statistics", (PyCFunction)(void (*)(void))order_statistics, METH_FASTCALL,
      "Entries of the sorted subsample at the given ranks."},
+    {"edges", (PyCFunction)(void (*)(void))edges, METH_FASTCALL,
+     "The edges of a histogram grid: the first float of each bin."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -199,3 +199,22 @@ def order_statistics(
         out.ctypes.data,
     )
     return out.tolist()
+
+
+def edges(lo: float, hi: float, scale: float, bins: int, *, float64: bool) -> list[float]:
+    """The ``bins + 1`` edges of a finite grid, as ``_edges.histograms_edges`` defines them.
+
+    Each inner edge is the first float whose offset reaches its bin, found by bisection over
+    the floats in C (a few microseconds a histogram, against about 10 in numpy).
+
+    Args:
+        lo: The grid's lower end (a value of the working dtype).
+        hi: Its upper end.
+        scale: Its scale.
+        bins: Number of bins.
+        float64: Whether the grid is in float64; float32 otherwise.
+    """
+    assert KERNELS is not None, "edges needs the compiled kernels"
+    out = np.empty(bins + 1, dtype=np.float64)
+    KERNELS.edges(int(float64), lo, hi, scale, bins, out.ctypes.data)
+    return out.tolist()
