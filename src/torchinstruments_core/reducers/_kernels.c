@@ -11,7 +11,8 @@
  * What it must agree with, bit for bit: the histogram grid and bins of ``_host_binning`` and
  * ``_binning`` (the same float operations in the working dtype, in the same order; compiled with
  * -ffp-contract=off so that no multiply-add is fused), and the order statistics of ``np.sort``
- * (any correct selection gives the same values). The sums are accumulated in double per lane, so
+ * (a radix sort of the same entries: the same values, a -0.0 and a 0.0 aside, which compare
+ * equal and may trade places). The sums are accumulated in double per lane, so
  * they are at least as accurate as the blocked float32 sums they replace, not equal to them.
  *
  * Arguments are addresses and sizes given by ``reducers/_native.py``, which owns every buffer and
@@ -178,91 +179,127 @@ DEFINE_GRID(grid_f64, double, DBL_MAX, DBL_EPSILON, fabs)
 DEFINE_BINS(bins_f32, float)
 DEFINE_BINS(bins_f64, double)
 
-/* ---- order statistics: introselect on a gathered copy --------------------------------------- */
+/* ---- order statistics: a radix sort of the gathered subsample's keys ----------------------- */
 
-#define DEFINE_SELECT(NAME, T)                                                                 \
-    static void NAME##_sift(T* a, int64_t start, int64_t root, int64_t end) {                  \
-        for (;;) {                                                                             \
-            int64_t child = 2 * (root - start) + 1 + start;                                    \
-            if (child >= end) return;                                                          \
-            if (child + 1 < end && a[child] < a[child + 1]) child++;                           \
-            if (!(a[root] < a[child])) return;                                                 \
-            T t = a[root];                                                                     \
-            a[root] = a[child];                                                                \
-            a[child] = t;                                                                      \
-            root = child;                                                                      \
-        }                                                                                      \
-    }                                                                                          \
-    /* heapsort of a[lo..hi]: the fallback that bounds an unlucky selection's time */          \
-    static void NAME##_heapsort(T* a, int64_t lo, int64_t hi) {                                \
-        int64_t end = hi + 1;                                                                  \
-        for (int64_t root = lo + (end - lo) / 2 - 1; root >= lo; root--)                       \
-            NAME##_sift(a, lo, root, end);                                                     \
-        for (int64_t last = end - 1; last > lo; last--) {                                      \
-            T t = a[lo];                                                                       \
-            a[lo] = a[last];                                                                   \
-            a[last] = t;                                                                       \
-            NAME##_sift(a, lo, lo, last);                                                      \
-        }                                                                                      \
-    }                                                                                          \
-    /* Put the k-th smallest of a[lo..hi] at a[k], the smaller before it, the larger after. */ \
-    static void NAME(T* a, int64_t lo, int64_t hi, int64_t k) {                                \
-        int budget = 64;                                                                       \
-        while (hi > lo) {                                                                      \
-            if (--budget < 0) {                                                                \
-                NAME##_heapsort(a, lo, hi);                                                    \
-                return;                                                                        \
+/* Floats as unsigned keys in their order (a negative float's bits inverted, a positive one's sign
+   bit set): an LSD radix sort of the keys sorts the floats, without a comparison to mispredict. */
+static uint32_t order_key_f32(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+}
+static float order_float_f32(uint32_t key) {
+    uint32_t bits = key & 0x80000000u ? key & 0x7fffffffu : ~key;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+static uint64_t order_key_f64(double x) {
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return bits >> 63 ? ~bits : bits | ((uint64_t)1 << 63);
+}
+static double order_float_f64(uint64_t key) {
+    uint64_t bits = key >> 63 ? key & ~((uint64_t)1 << 63) : ~key;
+    double x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+#define RADIX_BITS 11
+#define RADIX (1 << RADIX_BITS)
+
+#define SORT_BITS 8
+#define SORT_RADIX (1 << SORT_BITS)
+
+/* Sort keys[0..m) with scratch[0..m) by their low KEY_BITS - RADIX_BITS bits (a bucket's keys
+   share the top digit), a byte at a time; returns where the sorted keys are. */
+#define DEFINE_RADIX(NAME, K, KEY_BITS)                                                        \
+    static K* NAME(K* keys, K* scratch, int64_t m, int64_t* counts) {                          \
+        for (int shift = 0; shift < KEY_BITS - RADIX_BITS; shift += SORT_BITS) {               \
+            memset(counts, 0, sizeof(int64_t) * SORT_RADIX);                                   \
+            for (int64_t i = 0; i < m; i++) counts[(keys[i] >> shift) & (SORT_RADIX - 1)]++;   \
+            int64_t first = (keys[0] >> shift) & (SORT_RADIX - 1);                             \
+            if (counts[first] == m) continue; /* one digit for every key: nothing to move */   \
+            int64_t total = 0;                                                                 \
+            for (int digit = 0; digit < SORT_RADIX; digit++) {                                 \
+                int64_t count = counts[digit];                                                 \
+                counts[digit] = total;                                                         \
+                total += count;                                                                \
             }                                                                                  \
-            int64_t mid = lo + (hi - lo) / 2;                                                  \
-            T x = a[lo], y = a[mid], z = a[hi];                                                \
-            T pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));   \
-            int64_t i = lo, j = hi;                                                            \
-            while (i <= j) {                                                                   \
-                while (a[i] < pivot) i++;                                                      \
-                while (pivot < a[j]) j--;                                                      \
-                if (i <= j) {                                                                  \
-                    T t = a[i];                                                                \
-                    a[i] = a[j];                                                               \
-                    a[j] = t;                                                                  \
-                    i++;                                                                       \
-                    j--;                                                                       \
-                }                                                                              \
-            }                                                                                  \
-            if (k <= j)                                                                        \
-                hi = j;                                                                        \
-            else if (k >= i)                                                                   \
-                lo = i;                                                                        \
-            else                                                                               \
-                return;                                                                        \
+            for (int64_t i = 0; i < m; i++)                                                    \
+                scratch[counts[(keys[i] >> shift) & (SORT_RADIX - 1)]++] = keys[i];            \
+            K* swap = keys;                                                                    \
+            keys = scratch;                                                                    \
+            scratch = swap;                                                                    \
         }                                                                                      \
+        return keys;                                                                           \
     }
 
-DEFINE_SELECT(select_f32, float)
-DEFINE_SELECT(select_f64, double)
+DEFINE_RADIX(radix_u32, uint32_t, 32)
+DEFINE_RADIX(radix_u64, uint64_t, 64)
 
-/* The entries at ``ranks`` (ascending) of the sorted x[index[0..m)] (x[0..m) without index). */
-#define DEFINE_ORDER(NAME, SELECT, T)                                                          \
+/* The entries at ``ranks`` (ascending) of the sorted x[index[0..m)] (x[0..m) without index), as
+   doubles. One pass counts the keys' top digits; only the buckets that hold a wanted rank are
+   gathered and radix-sorted (a ReLU's zeros are one bucket of one key: nothing to move). */
+#define DEFINE_ORDER(NAME, T, K, KEY, FLOAT, RADIX_SORT, KEY_BITS)                             \
     static int NAME(const T* x, const int64_t* index, int64_t m, const int64_t* ranks,         \
                     int64_t count, double* out) {                                              \
-        T* copy = (T*)malloc((size_t)m * sizeof(T));                                           \
-        if (copy == NULL) return -1;                                                           \
-        if (index != NULL)                                                                     \
-            for (int64_t i = 0; i < m; i++) copy[i] = x[index[i]];                             \
-        else                                                                                   \
-            memcpy(copy, x, (size_t)m * sizeof(T));                                            \
-        int64_t from = 0;                                                                      \
-        for (int64_t r = 0; r < count; r++) {                                                  \
-            /* what is left of a selection holds every later (larger) rank */                 \
-            SELECT(copy, from, m - 1, ranks[r]);                                               \
-            out[r] = (double)copy[ranks[r]];                                                   \
-            from = ranks[r];                                                                   \
+        const int top = KEY_BITS - RADIX_BITS;                                                 \
+        K* keys = (K*)malloc((size_t)m * 3 * sizeof(K));                                       \
+        int64_t* counts = (int64_t*)malloc(sizeof(int64_t) * RADIX * 4);                       \
+        if (keys == NULL || counts == NULL) {                                                  \
+            free(keys);                                                                        \
+            free(counts);                                                                      \
+            return -1;                                                                         \
         }                                                                                      \
-        free(copy);                                                                            \
+        int64_t *starts = counts + RADIX, *places = counts + 2 * RADIX;                        \
+        int64_t* sorting = counts + 3 * RADIX; /* the radix sort's own counts */               \
+        memset(counts, 0, sizeof(int64_t) * RADIX);                                            \
+        for (int64_t i = 0; i < m; i++) {                                                      \
+            keys[i] = KEY(index != NULL ? x[index[i]] : x[i]);                                 \
+            counts[keys[i] >> top]++;                                                          \
+        }                                                                                      \
+        int64_t total = 0;                                                                     \
+        for (int digit = 0; digit < RADIX; digit++) {                                          \
+            starts[digit] = total;                                                             \
+            total += counts[digit];                                                            \
+            places[digit] = -1;                                                                \
+        }                                                                                      \
+        int64_t gathered = 0, digit = 0;                                                       \
+        for (int64_t r = 0; r < count; r++) { /* the bucket of each rank, and its place */     \
+            while (starts[digit] + counts[digit] <= ranks[r]) digit++;                         \
+            if (places[digit] < 0) {                                                           \
+                places[digit] = gathered;                                                      \
+                gathered += counts[digit];                                                     \
+            }                                                                                  \
+        }                                                                                      \
+        K* bucketed = keys + m;                                                                \
+        int64_t* filled = counts; /* reused: how far each gathered bucket is filled */         \
+        for (int d = 0; d < RADIX; d++) filled[d] = places[d];                                 \
+        for (int64_t i = 0; i < m; i++) {                                                      \
+            int64_t d = (int64_t)(keys[i] >> top);                                             \
+            if (places[d] >= 0) bucketed[filled[d]++] = keys[i];                               \
+        }                                                                                      \
+        digit = 0;                                                                             \
+        K* scratch = keys + 2 * m;                                                             \
+        for (int64_t r = 0; r < count; r++) {                                                  \
+            while (starts[digit] + (filled[digit] - places[digit]) <= ranks[r]) digit++;       \
+            int64_t size = filled[digit] - places[digit];                                      \
+            K* bucket = bucketed + places[digit];                                              \
+            if (size > 1 && (r == 0 || ranks[r - 1] < starts[digit])) { /* sort it once */     \
+                K* sorted = RADIX_SORT(bucket, scratch, size, sorting);                        \
+                if (sorted != bucket) memcpy(bucket, sorted, (size_t)size * sizeof(K));        \
+            }                                                                                  \
+            out[r] = (double)FLOAT(bucket[ranks[r] - starts[digit]]);                          \
+        }                                                                                      \
+        free(counts);                                                                          \
+        free(keys);                                                                            \
         return 0;                                                                              \
     }
 
-DEFINE_ORDER(order_f32, select_f32, float)
-DEFINE_ORDER(order_f64, select_f64, double)
+DEFINE_ORDER(order_f32, float, uint32_t, order_key_f32, order_float_f32, radix_u32, 32)
+DEFINE_ORDER(order_f64, double, uint64_t, order_key_f64, order_float_f64, radix_u64, 64)
 
 /* ---- the edges: the first float of each bin (reducers/_edges.py, found by bisection) -------- */
 
