@@ -1,4 +1,4 @@
-"""The run directory's TensorBoard event file: SummaryWriter's records, a numpy checksum."""
+"""The run directory's TensorBoard event file: SummaryWriter's records, its own checksum."""
 
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ def _messages() -> list[bytes]:
     return [rng.integers(0, 256, length, dtype=np.uint8).tobytes() for length in lengths]
 
 
+@pytest.mark.usefixtures("reduction_path")
 def test_crc32c_is_tensorboards_at_every_length() -> None:
     """Masked CRC-32C equals TensorBoard's byte loop, for messages of 0 to 70,000 bytes.
 
-    Computed together (blocks of 256 bytes, messages padded in front) and one at a time; the
-    unmasked value of the standard check string is the standard one.
+    In C (the compiled kernels) and in numpy, computed together (blocks of 256 bytes, messages
+    padded in front) and one at a time; the unmasked value of the standard check string is the
+    standard one.
     """
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
