@@ -348,3 +348,31 @@ def test_the_edges_bisected_in_c_are_numpys(
     monkeypatch.setattr(_native, "KERNELS", None)
     expected = [_edges.histograms_edges([grid], bins, float64=float64)[0] for bins, grid in grids]
     assert found == expected
+
+
+def test_a_view_at_an_odd_byte_offset_is_left_to_numpy() -> None:
+    """A float32 view whose address is not a multiple of 4 is not read by the kernels.
+
+    The compiled loops may assume aligned floats; numpy reads the view, with the values of
+    its aligned copy.
+    """
+    memory = bytearray(np.random.default_rng(0).integers(0, 60, 4004, dtype=np.uint8).tobytes())
+    odd = torch.frombuffer(memory, dtype=torch.float32, offset=1, count=1000)
+    assert odd.data_ptr() % 4 != 0
+    assert not _native.usable(odd)
+    assert _native.usable(odd.clone())
+    assert not _native.usable(torch._efficientzerotensor(10))
+    for reducer in (*default_reducers(), HistogramReducer()):
+        one = reducer.reduce(PreparedTensor(odd, torch.Generator().manual_seed(1)))
+        other = reducer.reduce(PreparedTensor(odd.clone(), torch.Generator().manual_seed(1)))
+        assert one.tolist() == pytest.approx(other.tolist(), rel=1e-6)
+
+
+def test_the_kernels_refuse_sizes_out_of_range() -> None:
+    """A histogram of no bins or a negative subsample raises, instead of writing anywhere."""
+    assert _native.KERNELS is not None
+    values = torch.randn(10)
+    with pytest.raises(ValueError, match="bins"):
+        _native.histogram(values, -1.0, 1.0, 0)
+    with pytest.raises(ValueError, match="out of range"):
+        _native.reduce(values, None, -1, np.empty(0, dtype=np.int64), 0)

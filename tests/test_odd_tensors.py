@@ -320,3 +320,32 @@ def test_an_output_the_observer_cannot_walk_never_breaks_training(kind: str) -> 
         model(torch.randn(3, 4)).sum().backward()  # warned once per cause
     assert len(sink.samples) == 2
     assert sink.value("last", "output_gradient", "mean", sample_id=1) == 1.0
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_an_efficient_zero_tensor_is_measured_as_the_zeros_it_stands_for(background: bool) -> None:
+    """Autograd's memoryless zero tensor (address 0) gives the statistics of zeros.
+
+    It used to raise in the hook (its storage cannot be read), and the compiled kernels would
+    have read address 0.
+    """
+    from torchinstruments_core._measure import Measurer
+    from torchinstruments_core.reducers import HistogramReducer, default_reducers
+
+    zero = torch._efficientzerotensor(1000)
+    measurer = Measurer(default_reducers(), HistogramReducer(bins=8), background=background)
+    try:
+        measured = measurer.measure(zero, with_histogram=True)
+        assert measured.settle() is None
+        assert measured.reason is None
+        values = [value for result in measured.results for value in _values(result.values)]
+        assert values[:6] == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # mean, std, min, max, zero, nonfinite
+        assert measured.histogram is not None
+        assert sum(measured.histogram[3:11].tolist()) == 1000
+    finally:
+        measurer.close()
+
+
+def _values(values: torch.Tensor | None) -> list[float]:
+    assert values is not None
+    return list(values.tolist())

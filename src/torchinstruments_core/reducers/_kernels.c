@@ -241,18 +241,17 @@ DEFINE_RADIX(radix_u64, uint64_t, 64)
 
 /* The entries at ``ranks`` (ascending) of the sorted x[index[0..m)] (x[0..m) without index), as
    doubles. One pass counts the keys' top digits; only the buckets that hold a wanted rank are
-   gathered and radix-sorted (a ReLU's zeros are one bucket of one key: nothing to move). */
+   gathered and radix-sorted (a ReLU's zeros are one bucket of one key: nothing to move). Memory:
+   the keys, the gathered buckets and room to sort the largest of them (about 4 to 12 bytes an
+   entry of float32 in all, the most where the wanted ranks sit in one large bucket). */
 #define DEFINE_ORDER(NAME, T, K, KEY, FLOAT, RADIX_SORT, KEY_BITS)                             \
     static int NAME(const T* x, const int64_t* index, int64_t m, const int64_t* ranks,         \
                     int64_t count, double* out) {                                              \
         const int top = KEY_BITS - RADIX_BITS;                                                 \
-        K* keys = (K*)malloc((size_t)m * 3 * sizeof(K));                                       \
+        K* keys = (K*)malloc((size_t)m * sizeof(K));                                           \
         int64_t* counts = (int64_t*)malloc(sizeof(int64_t) * RADIX * 4);                       \
-        if (keys == NULL || counts == NULL) {                                                  \
-            free(keys);                                                                        \
-            free(counts);                                                                      \
-            return -1;                                                                         \
-        }                                                                                      \
+        K* bucketed = NULL;                                                                    \
+        if (keys == NULL || counts == NULL) goto failed;                                       \
         int64_t *starts = counts + RADIX, *places = counts + 2 * RADIX;                        \
         int64_t* sorting = counts + 3 * RADIX; /* the radix sort's own counts */               \
         memset(counts, 0, sizeof(int64_t) * RADIX);                                            \
@@ -266,15 +265,19 @@ DEFINE_RADIX(radix_u64, uint64_t, 64)
             total += counts[digit];                                                            \
             places[digit] = -1;                                                                \
         }                                                                                      \
-        int64_t gathered = 0, digit = 0;                                                       \
+        int64_t gathered = 0, largest = 0, digit = 0;                                          \
         for (int64_t r = 0; r < count; r++) { /* the bucket of each rank, and its place */     \
             while (starts[digit] + counts[digit] <= ranks[r]) digit++;                         \
             if (places[digit] < 0) {                                                           \
                 places[digit] = gathered;                                                      \
                 gathered += counts[digit];                                                     \
+                largest = counts[digit] > largest ? counts[digit] : largest;                   \
             }                                                                                  \
         }                                                                                      \
-        K* bucketed = keys + m;                                                                \
+        /* the gathered buckets, then scratch for sorting the largest of them */               \
+        bucketed = (K*)malloc((size_t)(gathered + largest) * sizeof(K));                       \
+        if (bucketed == NULL) goto failed;                                                     \
+        K* scratch = bucketed + gathered;                                                      \
         int64_t* filled = counts; /* reused: how far each gathered bucket is filled */         \
         for (int d = 0; d < RADIX; d++) filled[d] = places[d];                                 \
         for (int64_t i = 0; i < m; i++) {                                                      \
@@ -282,7 +285,6 @@ DEFINE_RADIX(radix_u64, uint64_t, 64)
             if (places[d] >= 0) bucketed[filled[d]++] = keys[i];                               \
         }                                                                                      \
         digit = 0;                                                                             \
-        K* scratch = keys + 2 * m;                                                             \
         for (int64_t r = 0; r < count; r++) {                                                  \
             while (starts[digit] + (filled[digit] - places[digit]) <= ranks[r]) digit++;       \
             int64_t size = filled[digit] - places[digit];                                      \
@@ -293,9 +295,15 @@ DEFINE_RADIX(radix_u64, uint64_t, 64)
             }                                                                                  \
             out[r] = (double)FLOAT(bucket[ranks[r] - starts[digit]]);                          \
         }                                                                                      \
+        free(bucketed);                                                                        \
         free(counts);                                                                          \
         free(keys);                                                                            \
         return 0;                                                                              \
+    failed:                                                                                    \
+        free(bucketed);                                                                        \
+        free(counts);                                                                          \
+        free(keys);                                                                            \
+        return -1;                                                                             \
     }
 
 DEFINE_ORDER(order_f32, float, uint32_t, order_key_f32, order_float_f32, radix_u32, 32)
@@ -330,7 +338,7 @@ static double float_f64(int64_t key) {
 /* Each inner edge is the smallest key in (key(lo), key(hi)] whose float's offset reaches its bin:
    the bin function is non-decreasing, so a bisection finds it, from a bracket of a few keys
    around the nominal edge when that holds it (nearly always), else from the whole range. */
-#define DEFINE_EDGES(NAME, T, KEY, FLOAT)                                                      \
+#define DEFINE_EDGES(NAME, T, KEY, FLOAT, MAX)                                                 \
     static int NAME##_reached(int64_t key, T half_lo, T scale, T target) {                     \
         return (FLOAT(key) * (T)0.5 - half_lo) * scale >= target;                              \
     }                                                                                          \
@@ -344,7 +352,9 @@ static double float_f64(int64_t key) {
             const T target = (T)bin;                                                           \
             int64_t low = floor_key, high = last;                                              \
             double nominal = ((double)bin / (double)scale + (double)half_lo) * 2.0;            \
-            int64_t guess = KEY((T)nominal);                                                   \
+            /* a nominal edge past the dtype's range would not convert: no guess then */       \
+            int representable = nominal >= -(double)(MAX) && nominal <= (double)(MAX);         \
+            int64_t guess = representable ? KEY((T)nominal) : low;                             \
             if (guess > low && guess <= high) {                                                \
                 int64_t below = guess - 4 > low ? guess - 4 : low;                             \
                 int64_t above = guess + 4 < high ? guess + 4 : high;                           \
@@ -371,8 +381,8 @@ static double float_f64(int64_t key) {
         }                                                                                      \
     }
 
-DEFINE_EDGES(edges_f32, float, key_f32, float_f32)
-DEFINE_EDGES(edges_f64, double, key_f64, float_f64)
+DEFINE_EDGES(edges_f32, float, key_f32, float_f32, FLT_MAX)
+DEFINE_EDGES(edges_f64, double, key_f64, float_f64, DBL_MAX)
 
 /* ---- CRC-32C of TensorBoard's record framing (run_directory/_crc32c.py), eight bytes a step --- */
 
@@ -443,6 +453,10 @@ static PyObject* reduce(PyObject* module, PyObject* const* args, Py_ssize_t narg
         as_int64(args[7], &bins) || as_pointer(args[8], &out_pointer) ||
         as_pointer(args[9], &counts_pointer))
         return NULL;
+    if (bins < 0 || bins > INT32_MAX - 1 || m < 0 || n < 1 || count < 0) {
+        PyErr_SetString(PyExc_ValueError, "reduce: a size is out of range");
+        return NULL;
+    }
     double* out = (double*)out_pointer;
     int64_t* counts = (int64_t*)counts_pointer;
     uint32_t* lanes = NULL;
@@ -505,6 +519,10 @@ static PyObject* histogram(PyObject* module, PyObject* const* args, Py_ssize_t n
         return NULL;
     double lo = PyFloat_AsDouble(args[3]), hi = PyFloat_AsDouble(args[4]);
     if (PyErr_Occurred()) return NULL;
+    if (bins < 1 || bins > INT32_MAX - 1) {
+        PyErr_Format(PyExc_ValueError, "bins must be a positive int32, got %lld", (long long)bins);
+        return NULL;
+    }
     double* grid = (double*)grid_pointer;
     int64_t* counts = (int64_t*)counts_pointer;
     uint32_t* lanes = (uint32_t*)calloc((size_t)BIN_LANES * (size_t)(bins + 1), sizeof(uint32_t));

@@ -59,16 +59,18 @@ KERNELS: ModuleType | None = _load()
 def usable(values: torch.Tensor) -> bool:
     """Whether the kernels are there and can read ``values``.
 
-    That is a plain (not a subclass) float32 or float64 CPU tensor without a lazy negation;
-    what ``PreparedTensor.values`` is for every plain CPU tensor it prepares.
+    That is a plain (not a subclass) float32 or float64 CPU tensor without a lazy negation,
+    with memory behind it at an address aligned to its dtype; what ``PreparedTensor.values``
+    is for nearly every plain CPU tensor it prepares. Not a zero tensor (autograd's
+    ``_efficientzerotensor``, which has no memory: its address is 0), nor a view at an odd
+    byte offset (``torch.frombuffer``), which the compiled loops may not read.
     """
-    return (
-        KERNELS is not None
-        and type(values) is torch.Tensor
-        and values.dtype in _DTYPES
-        and values.device.type == "cpu"
-        and not values.is_neg()
-    )
+    if KERNELS is None or type(values) is not torch.Tensor or values.dtype not in _DTYPES:
+        return False
+    if values.device.type != "cpu" or values.is_neg() or values._is_zerotensor():
+        return False
+    address = values.data_ptr()
+    return address != 0 and address % values.element_size() == 0
 
 
 def _dense(values: torch.Tensor) -> torch.Tensor:
