@@ -78,11 +78,14 @@ def _classified(tensor: torch.Tensor | UnavailableReason) -> torch.Tensor | Unav
         return UnavailableReason.UNSUPPORTED_DTYPE
     if tensor.numel() == 0:
         return UnavailableReason.EMPTY_TENSOR
-    if tensor._is_zerotensor():
-        # autograd's efficient zero (a gradient that is known to be 0) has no memory to read
-        return torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
     # detach is a torch call, which hands the GIL over: none for a gradient, which has no graph
-    return tensor.detach() if tensor.requires_grad else tensor
+    if tensor.requires_grad:
+        return tensor.detach()
+    if tensor._is_zerotensor():
+        # autograd's efficient zero (a gradient known to be 0) has no memory to read; outputs
+        # that require grad never are one, so only tensors without a graph are asked
+        return torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return tensor
 
 
 def _nested_entries(tensor: torch.Tensor) -> torch.Tensor | UnavailableReason:

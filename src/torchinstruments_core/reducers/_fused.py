@@ -94,11 +94,12 @@ class FusedReductions:
         if not _native.usable(values):
             return None
         numel, dtype = prepared.numel, values.dtype
-        quantiles, size, index, ranks = self._quantiles, 0, None, _NO_RANKS
+        quantiles, size, index, plan = self._quantiles, 0, None, None
         if quantiles is not None:
             size = numel if quantiles.exact else subsample_size(numel, quantiles.sample_size)
             index = None if size == numel else prepared.random_index(size)
-            ranks = quantile_plan(size, DEFAULT_QUANTILES).ranks
+            plan = quantile_plan(size, DEFAULT_QUANTILES)
+        ranks = _NO_RANKS if plan is None else plan.ranks
         bins = self._bins if with_histogram else 0
         reduced = _native.reduce(values, index, size, ranks, bins)
         if reduced.status != _native.STATUS_OK:
@@ -106,9 +107,8 @@ class FusedReductions:
         summary = HostSummary(reduced.total, reduced.squares, reduced.lo, reduced.hi, reduced.zeros)
         results = []
         for reducer in self._reducers:
-            if isinstance(reducer, QuantileReducer):
-                ordered = quantile_plan(size, DEFAULT_QUANTILES).interpolate(reduced.ordered, dtype)
-                results.append(host_values(ordered, dtype))
+            if plan is not None and isinstance(reducer, QuantileReducer):
+                results.append(host_values(plan.interpolate(reduced.ordered, dtype), dtype))
                 continue
             moments = host_moment_values(
                 summary, numel, dtype, lambda shift: shifted_squares(prepared, shift, CHUNK_SIZE)

@@ -311,7 +311,10 @@ DEFINE_ORDER(order_f64, double, uint64_t, order_key_f64, order_float_f64, radix_
 
 /* ---- the edges: the first float of each bin (reducers/_edges.py, found by bisection) -------- */
 
-/* Floats as integer keys in their order (-0.0 and 0.0 share key 0), and back. */
+/* Floats as integer keys in their order (-0.0 and 0.0 share key 0), and back. Not the order
+   statistics' keys above: those tell -0.0 from 0.0 and are unsigned for the radix sort, while
+   the edges must be the floats numpy's search (``_edges._Floats.keys``) finds, where a zero
+   edge is 0.0. */
 static int64_t key_f32(float x) {
     int32_t bits;
     memcpy(&bits, &x, sizeof bits);
