@@ -9,6 +9,7 @@ statistics, strided input, the GIL, the switch, and ``FusedReductions`` against 
 from __future__ import annotations
 
 import math
+import pathlib
 import subprocess
 import sys
 import threading
@@ -376,3 +377,77 @@ def test_the_kernels_refuse_sizes_out_of_range() -> None:
         _native.histogram(values, -1.0, 1.0, 0)
     with pytest.raises(ValueError, match="out of range"):
         _native.reduce(values, None, -1, np.empty(0, dtype=np.int64), 0)
+
+
+def _gpt2_run(folder: pathlib.Path) -> None:
+    """Three sampled steps of a random-weight Hugging Face GPT-2 into a run directory."""
+    transformers = pytest.importorskip("transformers")
+    from torchinstruments_core import inject_observer
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, eos_token_id=0
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    observer = inject_observer(model, output_dir=folder, background_reductions=True)
+    for step in range(3):
+        observer.begin_step(step, sample=True)
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        observer.end_step()
+    observer.remove()
+
+
+def test_a_hugging_face_run_directory_is_the_same_with_and_without_the_kernels(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPT-2's history.parquet and TensorBoard histograms, read back, agree across the paths.
+
+    Extremes, fractions and quartiles equal, histograms bucket for bucket, sums within their
+    rounding: the run a user gets does not depend on whether the extension was built.
+    """
+    import polars as pl
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _gpt2_run(tmp_path / "kernels")
+    monkeypatch.setattr(_native, "KERNELS", None)
+    _gpt2_run(tmp_path / "numpy")
+    keys = ["sample_id", "layer", "call_index", "signal", "tensor_path", "metric"]
+    one, other = (
+        pl.read_parquet(tmp_path / name / "history.parquet").sort(keys)
+        for name in ("kernels", "numpy")
+    )
+    assert one.height == other.height > 500
+    assert one.select(keys).equals(other.select(keys))
+    assert one["unavailable_reason"].null_count() == one.height
+    exact = ["min", "max", "max_abs", "zero_fraction", "nonfinite_fraction", "p25", "p50", "p75"]
+    chosen = pl.col("metric").is_in(exact)
+    assert one.filter(chosen)["value"].to_list() == other.filter(chosen)["value"].to_list()
+    # sums within their rounding, against the tensor's scale (a LayerNorm's mean is about 0)
+    site = ["sample_id", "layer", "call_index", "signal", "tensor_path"]
+    scale = one.filter(pl.col("metric") == "max_abs").select(*site, scale=pl.col("value"))
+    summed = [frame.filter(~chosen).join(scale, on=site).sort(keys) for frame in (one, other)]
+    difference = (summed[0]["value"] - summed[1]["value"]).abs().to_numpy()
+    bound = 1e-5 * summed[1]["value"].abs().to_numpy() + 1e-6 * summed[1]["scale"].to_numpy()
+    assert (difference <= bound).all()
+    histograms = []
+    for name in ("kernels", "numpy"):
+        events = EventAccumulator(
+            str(tmp_path / name / "tensorboard"), size_guidance={"histograms": 0}
+        )
+        events.Reload()
+        tags = events.Tags()["histograms"]
+        assert len(tags) >= 8
+        histograms.append(
+            {
+                tag: [
+                    (e.step, e.histogram_value.bucket_limit, e.histogram_value.bucket)
+                    for e in events.Histograms(tag)
+                ]
+                for tag in tags
+            }
+        )
+    assert histograms[0] == histograms[1]
