@@ -16,7 +16,8 @@ every configuration alike. What a sample leaves for after its step (the run dire
 starts on it once the step is over) falls on the step after it, which is timed as its own
 configuration and counted in the every-50 figure. Step time is wall
 time (``time.perf_counter``): what the training loop waits, including any wait for the GIL
-while the run directory's writer thread works.
+(the reduction worker's; the run directory's writer runs in a process of its own, so what it
+costs the training thread is pickling each sample and sharing the cores).
 
 ``--workload all`` (the default) measures every workload that runs on the device (on the CPU:
 MLP, CNN, the reference transformer and the small GPT), one after the other, and prints one

@@ -1,7 +1,7 @@
 """Where a sampled step's time goes: the observer's phases, timed inside one process.
 
     uv run python benchmarks/sampled_profile.py [--workload small-gpt] [--steps 20]
-        [--sink run-directory|recording]
+        [--sink run-directory|recording] [--writer process|thread]
 
 The engine's functions are wrapped with timers (wall clock, ``time.perf_counter``, or with
 ``--clock cpu`` the thread's CPU time, steadier on a busy machine; about a microsecond per call,
@@ -16,7 +16,10 @@ reductions themselves; ``reduce: all reducers of a tensor`` holds the statistics
 reducer; ``deliver`` holds ``build`` (rows and histogram edges) and the hand-over to the sink;
 ``settle`` is the wait for the worker's last tensors when a sample closes (at the end of its
 backward).
-On the writer thread: turning samples into Parquet chunks, the TensorBoard histograms and the
+The run directory's writer runs in a process of its own (the default, ``--writer process``),
+which these timers do not see: what is left of it here is pickling each sample, inside
+``deliver``. With ``--writer thread`` it runs on a thread of this process, and its phases show
+as ``writer``: turning samples into Parquet chunks, the TensorBoard histograms and the
 aggregates of ``result.json``.
 """
 
@@ -92,6 +95,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sink", choices=["run-directory", "recording"], default="run-directory")
+    parser.add_argument("--writer", choices=["process", "thread"], default="process")
     parser.add_argument(
         "--clock", choices=sorted(_CLOCKS), default="wall", help="cpu: the thread's CPU time"
     )
@@ -100,6 +104,7 @@ def main() -> None:
     _clock = _CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     from torchinstruments_core import inject_observer
+    from torchinstruments_core.run_directory import RunDirectorySink
     from torchinstruments_core.testing import RecordingSink
 
     workload = build(args.workload, torch.device("cpu"))
@@ -107,7 +112,7 @@ def main() -> None:
         destination: dict[str, Any] = (
             {"sink": RecordingSink()}
             if args.sink == "recording"
-            else {"output_dir": Path(folder) / "run"}
+            else {"sink": RunDirectorySink(Path(folder) / "run", writer=args.writer)}
         )
         observer = inject_observer(workload.model, **destination)
 
@@ -131,7 +136,8 @@ def main() -> None:
 def _print(
     args: argparse.Namespace, sampled: float, unsampled: float, phases: dict[tuple[str, str], float]
 ) -> None:
-    print(f"{WORKLOADS[args.workload].description}; {args.sink}, {args.steps} sampled steps\n")
+    sink = args.sink if args.sink == "recording" else f"{args.sink} (writer: {args.writer})"
+    print(f"{WORKLOADS[args.workload].description}; {sink}, {args.steps} sampled steps\n")
     print(f"median sampled step {sampled * 1e3:.1f} ms, unsampled {unsampled * 1e3:.1f} ms\n")
     print("| thread | phase | ms per sampled step |")
     print("|---|---|---|")

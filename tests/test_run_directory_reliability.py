@@ -139,7 +139,7 @@ def test_a_dead_writer_never_blocks_training_and_every_sample_is_counted_lost(
 
     monkeypatch.setattr(pl.DataFrame, "write_parquet", panic)
     model = Net()
-    sink = _sink(tmp_path / "run", queue_size=2)
+    sink = _sink(tmp_path / "run", queue_size=2, writer="thread")  # the panic is in this process
     observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -165,6 +165,14 @@ def test_a_dead_writer_never_blocks_training_and_every_sample_is_counted_lost(
 # -- 2. a full disk --------------------------------------------------------------------------
 
 
+def _wait_for_chunks(folder: pathlib.Path, count: int) -> None:
+    """Wait until ``count`` history chunks are on disk (the writer process starts in a second)."""
+    deadline = time.monotonic() + 60
+    while len(list((folder / "history.parts").glob("history*.parquet"))) < count:
+        assert time.monotonic() < deadline, f"{count} chunks were not written within a minute"
+        time.sleep(0.02)
+
+
 def _history_ids(folder: pathlib.Path) -> set[int]:
     return set(pl.read_parquet(folder / "history.parquet")["sample_id"])
 
@@ -181,6 +189,7 @@ def test_a_full_disk_counts_every_lost_sample_and_the_run_finalizes_when_space_r
         model = Net()
         observer = inject_observer(model, sampler=AlwaysSampler(), sink=_sink(disk / "run"))
         _train(model, 3, pause=0.1)
+        _wait_for_chunks(disk / "run", 3)
         filler = _fill(disk)
         with pytest.warns(ObservationWarning, match="No space left on device"):
             _train(model, 30, pause=0.03)
@@ -214,7 +223,7 @@ def test_a_disk_still_full_at_exit_leaves_intact_chunks_that_repair_completes(
         model = Net()
         observer = inject_observer(model, sampler=AlwaysSampler(), sink=_sink(disk / "run"))
         _train(model, 5, pause=0.1)
-        time.sleep(0.3)  # every sample reaches its chunk before the disk fills
+        _wait_for_chunks(disk / "run", 5)  # every sample reaches its chunk before the disk fills
         filler = _fill(disk)
         with pytest.warns(ObservationWarning, match="could not be finalized"):
             observer.remove()

@@ -15,19 +15,18 @@ copy.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
+from torchinstruments_core.reducers import _compiled
+from torchinstruments_core.reducers._compiled import ENVIRONMENT_SWITCH as ENVIRONMENT_SWITCH
+
 if TYPE_CHECKING:
     from types import ModuleType
 
     from numpy.typing import NDArray
-
-ENVIRONMENT_SWITCH = "TORCHINSTRUMENTS_NATIVE"
-"""Set to ``0`` to reduce with numpy and torch although the compiled kernels are installed."""
 
 STATUS_OK = 0
 STATUS_NONFINITE = 1
@@ -42,17 +41,7 @@ _GRID = 4
 """Trailing values of ``reduce``'s output with a histogram: the grid's lo, hi, half_lo, scale."""
 
 
-def _load() -> ModuleType | None:
-    if os.environ.get(ENVIRONMENT_SWITCH, "1").strip() == "0":
-        return None
-    try:
-        import torchinstruments_core.reducers._kernels as kernels
-    except ImportError:  # built without a C compiler: numpy and torch reduce instead
-        return None
-    return kernels
-
-
-KERNELS: ModuleType | None = _load()
+KERNELS: ModuleType | None = _compiled.KERNELS
 """The compiled module, or ``None`` (not built, or switched off)."""
 
 

@@ -19,15 +19,17 @@ Where the compiled kernels are built, a C loop (slicing by eight) does it all in
 
 from __future__ import annotations
 
+import sys
 from functools import cache
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from torchinstruments_core.reducers import _native
+from torchinstruments_core.reducers import _compiled
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+    from types import ModuleType
 
     from numpy.typing import NDArray
 
@@ -72,7 +74,7 @@ def crc32cs(messages: Sequence[bytes]) -> list[int]:
 
     With the compiled kernels (``reducers._native``) each is one call to C, eight bytes a step.
     """
-    kernels = _native.KERNELS
+    kernels = _kernels()
     if kernels is not None:
         return [kernels.crc32c(message) for message in messages]
     crcs = [0] * len(messages)
@@ -84,6 +86,16 @@ def crc32cs(messages: Sequence[bytes]) -> list[int]:
         for index, crc in zip(long, _blockwise([messages[i] for i in long]), strict=True):
             crcs[index] = crc
     return crcs
+
+
+def _kernels() -> ModuleType | None:
+    """The extension as the reductions use it, or ``None``.
+
+    ``_native.KERNELS`` where torch's side is loaded (a test may switch it off there), else the
+    extension as loaded without torch (in the writer's process).
+    """
+    native = sys.modules.get("torchinstruments_core.reducers._native")
+    return _compiled.KERNELS if native is None else native.KERNELS
 
 
 def masked_crc32cs(messages: Sequence[bytes]) -> list[int]:

@@ -54,12 +54,14 @@ class EventFile:
     """
 
     def __init__(self, folder: Path) -> None:
-        from tensorboard.compat.proto import event_pb2, summary_pb2
-        from torch.utils.tensorboard import summary
+        from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
+        from tensorboard.plugins.text import plugin_data_pb2
 
         self._event = event_pb2.Event
         self._proto = summary_pb2
-        self._summary: Any = summary  # untyped
+        self._tensor = tensor_pb2.TensorProto
+        self._shape = tensor_shape_pb2.TensorShapeProto
+        self._text = plugin_data_pb2.TextPluginData
         folder.mkdir(parents=True, exist_ok=True)
         name = "events.out.tfevents.%010d.%s.%s.%s" % (  # noqa: UP031  TensorBoard's pattern
             time.time(),
@@ -100,14 +102,37 @@ class EventFile:
         global_step: int,
     ) -> None:
         """Write a histogram given by its buckets, as ``SummaryWriter.add_histogram_raw`` does."""
-        histogram = self._summary.histogram_raw(
-            tag, min, max, num, sum, sum_squares, bucket_limits, bucket_counts
+        histogram = self._proto.HistogramProto(
+            min=min,
+            max=max,
+            num=num,
+            sum=sum,
+            sum_squares=sum_squares,
+            bucket_limit=bucket_limits,
+            bucket=bucket_counts,
         )
-        self._add(histogram.value, global_step)
+        self._add([self._proto.Summary.Value(tag=tag, histo=histogram)], global_step)
 
     def add_text(self, tag: str, text_string: str, global_step: int) -> None:
-        """Write ``text_string`` under ``tag`` at ``global_step``, as ``SummaryWriter`` does."""
-        self._add(self._summary.text(tag, text_string).value, global_step)
+        """Write ``text_string`` under ``tag`` at ``global_step``, as ``SummaryWriter`` does.
+
+        The tag gets ``SummaryWriter``'s ``/text_summary`` suffix; the value is a string tensor of
+        one entry, marked for the text plugin.
+        """
+        plugin = self._proto.SummaryMetadata.PluginData(
+            plugin_name="text", content=self._text(version=0).SerializeToString()
+        )
+        tensor = self._tensor(
+            dtype="DT_STRING",
+            string_val=[text_string.encode("utf-8")],
+            tensor_shape=self._shape(dim=[self._shape.Dim(size=1)]),
+        )
+        value = self._proto.Summary.Value(
+            tag=tag + "/text_summary",
+            metadata=self._proto.SummaryMetadata(plugin_data=plugin),
+            tensor=tensor,
+        )
+        self._add([value], global_step)
 
     def flush(self) -> None:
         """Write the events added since the last flush, for TensorBoard to read."""

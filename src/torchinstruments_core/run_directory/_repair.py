@@ -82,7 +82,7 @@ def _recover(layout: RunLayout) -> None:
     elif not layout.history.is_file():
         raise OSError(f"{layout.root} holds no run data (no history.parts, no history.parquet)")
     run = _run_info(previous, layout)
-    aggregates = _fold(layout)
+    aggregates = fold_tables(layout)
     commit(layout, run, aggregates, status=RunStatus.RECOVERED, lost=_lost(previous))
     remove_parts(layout)
 
@@ -134,8 +134,8 @@ def _layers(previous: dict[str, Any], layout: RunLayout) -> tuple[LayerInfo, ...
     return tuple(LayerInfo(name, "unknown", 0, False) for name in names.collect()["layer"])
 
 
-def _fold(layout: RunLayout) -> RunAggregates:
-    """The aggregates of result.json, from the rows on disk, in sample order."""
+def fold_tables(layout: RunLayout) -> RunAggregates:
+    """The aggregates of result.json, from the compacted tables on disk, in sample order."""
     aggregates = RunAggregates()
     for batch in _batches(layout.samples, ("forward_only", "collection_duration_ms")):
         for forward_only, duration in batch.iter_rows():

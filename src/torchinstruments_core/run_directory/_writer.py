@@ -124,6 +124,8 @@ class ChunkWriter:
             was built only for the chunk: the record then holds its rows) once its chunk is
             on disk, in order (the aggregates of result.json, which so describe exactly the
             rows of the history). The record no longer holds its rows when a frame is given.
+        on_chunk: Called with the number of samples of each chunk once it is on disk and its
+            samples went through ``on_written`` (the writer process tells the training process).
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class ChunkWriter:
         queue_size: int,
         on_sample: Sequence[Callable[[SampleRecord], None]] = (),
         on_written: Sequence[Callable[[SampleRecord, pl.DataFrame | None], None]] = (),
+        on_chunk: Callable[[int], None] | None = None,
     ) -> None:
         self._layout = layout
         self._chunk_rows = chunk_rows
@@ -142,6 +145,7 @@ class ChunkWriter:
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
         self._on_sample = tuple(on_sample)
         self._on_written = tuple(on_written)
+        self._on_chunk = on_chunk
         self._report = WriterReport()
         self._error: Exception | None = None
         self._lock = threading.Lock()
@@ -180,25 +184,10 @@ class ChunkWriter:
 
     def _enqueue(self, item: object) -> bool:
         """Put ``item`` on the queue unless the writer is dead; whether it was queued."""
-        if self._report.died:
-            return False
-        try:
-            self._queue.put_nowait(item)  # the usual case: room in the queue, no waiting
-        except queue.Full:
-            return self._enqueue_when_room(item)
-        return True
+        return enqueue(self._queue, item, self._alive)
 
-    def _enqueue_when_room(self, item: object) -> bool:
-        """Wait for room, checking every ``_POLL_SECONDS`` that the writer still lives."""
-        while not self._report.died:
-            try:
-                self._queue.put(item, timeout=_POLL_SECONDS)
-            except queue.Full:
-                if not self._thread.is_alive():
-                    return False
-                continue
-            return True
-        return False
+    def _alive(self) -> bool:
+        return not self._report.died and self._thread.is_alive()
 
     def _raise_pending(self) -> None:
         with self._lock:
@@ -309,6 +298,8 @@ class ChunkWriter:
             # a chunk's samples are folded in one by one (a millisecond or two each): between
             # them the training thread takes the GIL at once instead of after a switch interval
             time.sleep(0)
+        if self._on_chunk is not None:
+            self._on_chunk(len(held))
 
     def _consumer_failed(
         self, consumer: Callable[..., None], sample: SampleRecord, error: Exception
@@ -364,6 +355,27 @@ class ChunkWriter:
                 return drained
             if item is not _STOP:
                 drained.append(item)  # type: ignore[arg-type]
+
+
+def enqueue(items: queue.Queue[object], item: object, alive: Callable[[], bool]) -> bool:
+    """Put ``item`` on ``items`` while the writer is ``alive()``; whether it was queued.
+
+    Waits only while the queue is full, checking every ``_POLL_SECONDS`` that the writer lives,
+    so that a training thread never waits on a dead writer.
+    """
+    if not alive():
+        return False
+    try:
+        items.put_nowait(item)  # the usual case: room in the queue, no waiting
+    except queue.Full:
+        while alive():
+            try:
+                items.put(item, timeout=_POLL_SECONDS)
+            except queue.Full:
+                continue
+            return True
+        return False
+    return True
 
 
 def _name(consumer: Callable[[SampleRecord], None]) -> str:

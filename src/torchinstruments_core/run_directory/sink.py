@@ -30,10 +30,12 @@ from torchinstruments_core.run_directory._layout import (
     layout_for,
     prepare_output_dir,
 )
+from torchinstruments_core.run_directory._repair import fold_tables
 from torchinstruments_core.run_directory._result import write_result
 from torchinstruments_core.run_directory._state import RunStatus
 from torchinstruments_core.run_directory._tensorboard import TensorBoardHistograms
 from torchinstruments_core.run_directory._writer import ChunkWriter, WriterReport, cause
+from torchinstruments_core.run_directory._writer_process import ProcessWriter, WriterSettings
 
 if TYPE_CHECKING:
     from torchinstruments_core._records import RunInfo, SampleRecord
@@ -44,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 _open_sinks: weakref.WeakSet[RunDirectorySink] = weakref.WeakSet()
 _FATAL = (KeyboardInterrupt, SystemExit, GeneratorExit)
+_WRITERS = ("process", "thread")
 
 
 class RunDirectorySink:
@@ -83,6 +86,10 @@ class RunDirectorySink:
             the interval between retries of a chunk that could not be written.
         queue_size: Samples that may wait for the writer before the training thread blocks.
         tensorboard: Write the focus layers' histograms to ``tensorboard/``.
+        writer: ``"process"`` (the default): a process of its own writes the chunks, the
+            TensorBoard file and the aggregates, so that the writer never holds the training
+            process's GIL (``_writer_process``); if it cannot start, a thread writes instead,
+            with a warning. ``"thread"``: a thread of the training process writes.
 
     Attributes:
         report: After ``close``: chunks, samples and rows written, and ``losses``.
@@ -96,6 +103,7 @@ class RunDirectorySink:
         flush_seconds: float = 30.0,
         queue_size: int = 64,
         tensorboard: bool = True,
+        writer: str = "process",
     ) -> None:
         self._chunk_rows = check_positive_int("chunk_rows", chunk_rows, minimum=1)
         self._queue_size = check_positive_int("queue_size", queue_size, minimum=1)
@@ -103,14 +111,18 @@ class RunDirectorySink:
             raise ConfigurationError.invalid("flush_seconds", flush_seconds, "a number > 0")
         self._flush_seconds = float(flush_seconds)
         self._tensorboard_enabled = tensorboard
+        if writer not in _WRITERS:
+            raise ConfigurationError.invalid("writer", writer, " or ".join(map(repr, _WRITERS)))
+        self._writer_kind = writer
         self.output_dir = prepare_output_dir(output_dir)
         claim_folder(self.output_dir, self)
         self.layout: RunLayout | None = None
         self.report: WriterReport | None = None
         self._run: RunInfo | None = None
-        self._writer: ChunkWriter | None = None
+        self._writer: ChunkWriter | ProcessWriter | None = None
         self._tensorboard: TensorBoardHistograms | None = None
         self._aggregates = RunAggregates()
+        self._refold = False  # the aggregates are to be read back from the compacted tables
         self._owner_pid: int | None = None
         self._inherited = False  # set in a forked child, where this sink must do nothing
         self._lock: int | None = None
@@ -123,19 +135,46 @@ class RunDirectorySink:
         self.layout = layout
         self._owner_pid = os.getpid()
         _open_sinks.add(self)
-        if self._tensorboard_enabled:
-            self._tensorboard = TensorBoardHistograms(layout.tensorboard, run)
         write_result(layout.result, run, None, status=RunStatus.RUNNING)
         write_index(layout.index, run, status=RunStatus.RUNNING)
-        self._writer = ChunkWriter(
+        if self._writer_kind == "thread":
+            self._writer = self._thread_writer()
+            return
+        settings = WriterSettings(
             layout,
+            run,
+            chunk_rows=self._chunk_rows,
+            flush_seconds=self._flush_seconds,
+            queue_size=self._queue_size,
+            tensorboard=self._tensorboard_enabled,
+        )
+        self._writer = ProcessWriter(settings, in_process=self._thread_writer)
+        self._writer.start()
+
+    def _thread_writer(self) -> ChunkWriter:
+        """A started writer thread of this process, with the sink's TensorBoard file."""
+        assert self.layout is not None
+        assert self._run is not None
+        if self._tensorboard_enabled:
+            self._tensorboard = TensorBoardHistograms(self.layout.tensorboard, self._run)
+        writer = ChunkWriter(
+            self.layout,
             chunk_rows=self._chunk_rows,
             flush_seconds=self._flush_seconds,
             queue_size=self._queue_size,
             on_sample=[self._tensorboard] if self._tensorboard else [],
             on_written=[self._aggregates.add],
         )
-        self._writer.start()
+        writer.start()
+        return writer
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The id of the writer process while the run is open; ``None`` when a thread writes."""
+        writer = self._writer
+        if isinstance(writer, ProcessWriter) and not writer.in_process:
+            return writer.pid
+        return None
 
     def write(self, sample: SampleRecord) -> None:
         """Queue the sample for the writer thread (blocks only while the queue is full)."""
@@ -174,10 +213,14 @@ class RunDirectorySink:
             self._lock = None
             _open_sinks.discard(self)
 
-    def _close(self, writer: ChunkWriter, layout: RunLayout, run: RunInfo) -> None:
+    def _close(self, writer: ChunkWriter | ProcessWriter, layout: RunLayout, run: RunInfo) -> None:
         self.report = report = writer.finish()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if isinstance(writer, ProcessWriter):
+            if writer.aggregates is not None:
+                self._aggregates = writer.aggregates
+            self._refold = writer.died  # its aggregates died with it: fold what it wrote
         if report.chunks:
             logger.info("torchinstruments: compacting %d chunks in %s", report.chunks, layout.root)
         self._finalize(layout, run, report)
@@ -189,6 +232,8 @@ class RunDirectorySink:
         status = RunStatus.COMPLETE_WITH_LOSSES if losses else RunStatus.COMPLETE
         try:
             compact_tables(layout)
+            if self._refold:
+                self._aggregates = fold_tables(layout)
             commit(layout, run, self._aggregates, status=status, lost=losses.as_json())
         except _FATAL:
             raise

@@ -1,0 +1,32 @@
+"""Loads the compiled extension (``_kernels.c``) without torch: for the run directory's writer.
+
+``_native`` holds the calls the reductions make into the extension and imports torch; the
+writer's CRC-32C (``run_directory._crc32c``) needs the extension too, also in the writer's own
+process (``run_directory._writer_process``), which imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+ENVIRONMENT_SWITCH = "TORCHINSTRUMENTS_NATIVE"
+"""Set to ``0`` to reduce with numpy and torch although the compiled kernels are installed."""
+
+
+def load() -> ModuleType | None:
+    """The compiled module, or ``None`` when it is not built or ``ENVIRONMENT_SWITCH`` is ``0``."""
+    if os.environ.get(ENVIRONMENT_SWITCH, "1").strip() == "0":
+        return None
+    try:
+        import torchinstruments_core.reducers._kernels as kernels
+    except ImportError:  # built without a C compiler: numpy and torch reduce instead
+        return None
+    return kernels
+
+
+KERNELS: ModuleType | None = load()
+"""The compiled module as loaded at import, or ``None``."""

@@ -1,0 +1,582 @@
+"""The run directory's writer in a process of its own, so that it never holds the training GIL.
+
+The writer's own work is about a millisecond a sample: the sample's history frame, its
+TensorBoard event and the aggregates of result.json. Run on a thread of the training process it
+cost a small CNN's sampled step 2-3 ms (2 cores, one torch thread). The writer held the GIL
+while the optimizer's per-parameter Python waited for it, and the OS could deschedule it in
+favour of the reduction worker while it held it. Here the training thread pickles each record
+(tens of microseconds) and queues it. A sender thread writes the bytes to a pipe, releasing the
+GIL while it writes. The writer process runs the same ``ChunkWriter``, ``TensorBoardHistograms``
+and ``RunAggregates`` the thread ran. At the end it sends back its report and the aggregates,
+and the sink finalizes the run as before, in the training process.
+
+The writer process imports no torch (nor the engine): ``python -c`` with the training process's
+``sys.path`` loads this package's folders without their ``__init__`` modules, which import torch.
+It runs at a niceness 10 above the training process's, so that where the cores are busy the
+OS runs the training thread and the reduction worker first. It ignores SIGINT and SIGTERM: a
+Ctrl-C or a scheduler's SIGTERM meant for the job lets the training process close the run,
+and the writer exits when its pipe closes.
+
+Messages (an 8-byte little-endian length, then a pickle) to the writer: ``("open", …)``, then
+``("sample", record)`` for each sample, then ``("finish",)``. Back to the training process:
+``("ready",)`` or ``("failed", why)``, ``("written", samples)`` for each chunk on disk,
+``("error", message)`` for a failure to raise at the next ``put`` (a full disk), and at the end
+``("done", report, aggregates)``.
+
+Failures (nothing may hang, nothing may be lost silently):
+
+- The process cannot start or cannot set up (no interpreter at ``sys.executable``, an import
+  failing): the samples go to a ``ChunkWriter`` thread of the training process instead. Nothing
+  is lost: no sample is sent before the process says it is ready.
+- The process dies (killed, out of memory). Its pipe's end tells at once. Every sample it had
+  not written to a chunk is counted as lost, and so is every later one, as with a dead writer
+  thread. The aggregates of result.json are rebuilt from the chunks on disk, as ``repair`` does.
+- The training process dies: the writer reads the end of its pipe, writes what it holds as a
+  last chunk and exits, leaving the run to ``repair``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import os
+import pickle
+import queue
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
+
+from torchinstruments_core._rows import SampleRows, row_parts
+from torchinstruments_core.run_directory._aggregate import RunAggregates
+from torchinstruments_core.run_directory._tensorboard import TensorBoardHistograms
+from torchinstruments_core.run_directory._writer import (
+    ChunkWriter,
+    Losses,
+    WriterReport,
+    cause,
+    enqueue,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torchinstruments_core._records import RunInfo, SampleRecord
+    from torchinstruments_core.run_directory._layout import RunLayout
+
+logger = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct("<Q")
+_STOP = object()
+_READY_SECONDS = 120.0
+"""How long the process may take to start (import Polars and numpy) before the thread writes."""
+_EXIT_SECONDS = 30.0
+"""How long a process that sent its report may take to exit before it is killed."""
+_NICENESS = 10
+"""Added to the writer process's niceness: its work can wait, the training step cannot."""
+_PIPE_BYTES = 1 << 20  # a pipe this large takes a few samples before a write waits (Linux)
+_PACKAGES = (
+    "torchinstruments_core",
+    "torchinstruments_core.reducers",
+    "torchinstruments_core.run_directory",
+)
+"""Packages whose ``__init__`` imports torch (directly or through the sink): loaded as bare
+folders in the writer process."""
+
+_BOOT = """\
+import sys, json, types
+sys.path[:] = json.loads(sys.argv[1])
+for name, folder in json.loads(sys.argv[2]).items():
+    package = types.ModuleType(name)
+    package.__path__ = [folder]
+    sys.modules[name] = package
+from torchinstruments_core.run_directory._writer_process import serve
+serve(int(sys.argv[3]), int(sys.argv[4]))
+"""
+
+
+def encode(sample: SampleRecord) -> bytes:
+    """A record as bytes for the writer process: its rows as their parts, never as rows."""
+    bare = dataclasses.replace(sample, rows=())
+    return pickle.dumps((bare, tuple(row_parts(sample.rows))), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(payload: bytes) -> SampleRecord:
+    """The record ``encode`` made, with its rows as a ``SampleRows``."""
+    bare, parts = pickle.loads(payload)
+    record: SampleRecord = dataclasses.replace(bare, rows=SampleRows(parts))
+    return record
+
+
+def _message(message: object) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def _send(stream: BinaryIO, message: object) -> None:
+    stream.write(_message(message))
+    stream.flush()
+
+
+def _write(pipe: int, data: bytes) -> None:
+    """Write all of ``data`` to ``pipe`` (the GIL released while the pipe is full)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(pipe, view) :]
+
+
+def _receive(stream: BinaryIO) -> Any:
+    """The next message, or ``None`` at the end of the pipe (a partial message included)."""
+    header = stream.read(_LENGTH.size)
+    if len(header) < _LENGTH.size:
+        return None
+    (length,) = _LENGTH.unpack(header)
+    payload = stream.read(length)
+    if len(payload) < length:
+        return None
+    return pickle.loads(payload)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WriterSettings:
+    """What the writer process needs to open a run's writer."""
+
+    layout: RunLayout
+    run: RunInfo
+    chunk_rows: int
+    flush_seconds: float
+    queue_size: int
+    tensorboard: bool
+
+
+class ProcessWriter:
+    """Hands samples to a writer process; the same calls as ``ChunkWriter``.
+
+    Args:
+        settings: The run's writer, as the process should open it.
+        in_process: Makes (and starts) the writer thread of the training process, for when the
+            process cannot start; its aggregates and TensorBoard file are the sink's own.
+
+    Attributes:
+        aggregates: After ``finish``, the aggregates the process folded in; ``None`` when the
+            thread wrote the run (the sink's own aggregates hold them) or the process died.
+        died: After ``finish``, whether the process died before it was done.
+    """
+
+    def __init__(self, settings: WriterSettings, *, in_process: Callable[[], ChunkWriter]) -> None:
+        self._settings = settings
+        self._in_process = in_process
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=settings.queue_size)
+        self._lock = threading.Lock()
+        self._unwritten: collections.deque[int] = collections.deque()  # rows of each sample
+        self._extra = Losses()  # samples given to a writer already dead
+        self._error: Exception | None = None
+        self._ready = threading.Event()
+        self._usable = False  # the process said it is ready
+        self._dead = False
+        self._done: tuple[WriterReport, RunAggregates] | None = None
+        self._chunks = 0
+        self._failure = ""
+        self._thread_writer: ChunkWriter | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._to_writer: int | None = None
+        self._from_writer: BinaryIO | None = None
+        self._sender = threading.Thread(
+            target=self._send_loop, name="torchinstruments-writer-pipe", daemon=True
+        )
+        self._reader = threading.Thread(
+            target=self._read_loop, name="torchinstruments-writer-replies", daemon=True
+        )
+        self.aggregates: RunAggregates | None = None
+        self.died = False
+
+    @property
+    def pid(self) -> int | None:
+        """The writer process's id (``None`` when none was started)."""
+        return None if self._process is None else self._process.pid
+
+    @property
+    def in_process(self) -> bool:
+        """Whether a thread of the training process writes the run (the process failed)."""
+        return self._thread_writer is not None
+
+    def start(self) -> None:
+        """Start the writer process (without waiting for it) and the threads that talk to it."""
+        try:
+            self._spawn()
+        except (OSError, ValueError, subprocess.SubprocessError) as error:
+            self._failure = cause(error)
+            self._ready.set()
+        else:
+            self._reader.start()
+        self._sender.start()
+
+    def _spawn(self) -> None:
+        if not sys.executable or getattr(sys, "frozen", False):
+            raise ValueError("no Python interpreter to start (sys.executable is not one)")
+        down_read, down_write = os.pipe()
+        up_read, up_write = os.pipe()
+        with contextlib.suppress(AttributeError, OSError):  # Linux only; a bigger buffer
+            import fcntl
+
+            fcntl.fcntl(down_write, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+        folders = {name: _folder(name) for name in _PACKAGES}
+        command = [
+            sys.executable,
+            "-c",
+            _BOOT,
+            _json(sys.path),
+            _json({name: path for name, path in folders.items() if path is not None}),
+            str(down_read),
+            str(up_write),
+        ]
+        try:
+            self._process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, pass_fds=(down_read, up_write)
+            )
+        except BaseException:
+            for fd in (down_read, down_write, up_read, up_write):
+                os.close(fd)
+            raise
+        finally:
+            if self._process is not None:
+                os.close(down_read)
+                os.close(up_write)
+        self._to_writer = down_write  # written unbuffered: a fork has no bytes of it to flush
+        self._from_writer = open(up_read, "rb")  # noqa: SIM115 (closed by the reader thread)
+        _open_writers.add(self)
+
+    # -- the training thread --------------------------------------------------------------------
+
+    def put(self, sample: SampleRecord) -> None:
+        """Queue a sample; then raise (once) the error of a failure the writer reported.
+
+        Never waits on a dead writer: the sample is counted as lost instead.
+        """
+        payload = None if self._ready.is_set() and not self._usable else encode(sample)
+        rows = len(sample.rows)
+        with self._lock:
+            dead = self._dead
+            if dead:
+                self._extra.add([rows], self._death_reason())
+            elif self._thread_writer is None:  # lost if the process dies before its chunk
+                self._unwritten.append(rows)
+        if not dead:
+            self._enqueue((sample, payload))  # False if it died meanwhile: counted as above
+        self._raise_pending()
+
+    def finish(self) -> WriterReport:
+        """Write what is buffered, stop the process and report (also when it died)."""
+        if not self._enqueue(_STOP):  # dead: a sender waiting for a sample must still stop
+            self._drain()
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait(_STOP)
+        self._sender.join()
+        if self._thread_writer is not None:
+            report = self._thread_writer.finish()
+        else:
+            self._reader.join()
+            if self._process is not None:
+                try:
+                    self._process.wait(timeout=_EXIT_SECONDS)
+                except subprocess.TimeoutExpired:  # it said all it had to say
+                    self._process.kill()
+                    self._process.wait()
+            report = self._report()
+        with self._lock:
+            _merge(report, self._extra)
+        return report
+
+    def _report(self) -> WriterReport:
+        with self._lock:
+            if self._done is not None:
+                report, self.aggregates = self._done
+                return report
+            self.died = True
+            report = WriterReport(chunks=self._chunks, died=True)
+            report.losses.add(list(self._unwritten), self._death_reason())
+            self._unwritten.clear()
+            return report
+
+    def _enqueue(self, item: object) -> bool:
+        """Put ``item`` on the queue unless the process is dead; whether it was queued."""
+        return enqueue(self._queue, item, lambda: not self._dead)
+
+    def _raise_pending(self) -> None:
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _death_reason(self) -> str:
+        reason = self._failure or "it exited"
+        return f"the writer process of {self._settings.layout.root} had stopped ({reason})"
+
+    def _drain(self) -> None:
+        """Empty the queue: its samples are in ``_unwritten``, lost with the process."""
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+    # -- the sender thread ----------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        pipe = self._to_writer
+        try:
+            if pipe is not None:
+                _write(pipe, _message(("open", self._settings)))  # read once its imports are done
+            if not self._ready.wait(timeout=_READY_SECONDS):
+                self._decide(usable=False, failure=f"not ready after {_READY_SECONDS:.0f} s")
+                if self._process is not None:
+                    self._process.kill()
+        except (OSError, ValueError) as error:  # it exited before it read a word
+            self._ready.wait(timeout=_READY_SECONDS)  # the reader says why
+            self._decide(usable=False, failure=cause(error))
+        if not self._usable:
+            self._close_pipe()
+            self._write_in_process()
+            return
+        assert pipe is not None
+        try:
+            while True:
+                item = self._queue.get()
+                if item is _STOP:
+                    _write(pipe, _message(("finish",)))
+                    break
+                sample, payload = cast("tuple[SampleRecord, bytes | None]", item)
+                data = encode(sample) if payload is None else payload
+                _write(pipe, _LENGTH.pack(len(data) + _SAMPLE_HEADER) + _SAMPLE + data)
+                del sample, payload, data, item
+        except OSError as error:  # the process died
+            self._reader.join(timeout=_EXIT_SECONDS)  # which says how (its exit status)
+            self._failure = self._failure or cause(error)
+            self._mark_dead()
+        finally:
+            self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        pipe, self._to_writer = self._to_writer, None
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                os.close(pipe)
+
+    def _write_in_process(self) -> None:
+        """The process is not there: hand every sample to a writer thread of this process."""
+        logger.warning(
+            "torchinstruments: the writer process of %s could not start (%s); writing from a "
+            "thread of the training process instead",
+            self._settings.layout.root,
+            self._failure,
+        )
+        writer = self._in_process()
+        with self._lock:
+            self._thread_writer = writer
+            self._unwritten.clear()  # the thread writer counts them from here on
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            try:
+                writer.put(item[0])  # type: ignore[index]
+            except OSError as error:
+                with self._lock:
+                    self._error = error
+
+    # -- the reader thread ----------------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        stream = self._from_writer
+        assert stream is not None
+        try:
+            while (message := _receive(stream)) is not None:
+                self._take(message)
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError, AttributeError) as error:
+            self._failure = self._failure or cause(error)
+        finally:
+            with contextlib.suppress(OSError):
+                stream.close()
+            if not self._ready.is_set():  # it never got ready: the thread writes instead
+                self._decide(usable=False, failure=_exit_status(self._process))
+            elif self._usable and self._done is None:
+                self._failure = self._failure or _exit_status(self._process)
+                self._mark_dead()
+
+    def _take(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "ready":
+            self._decide(usable=True)
+        elif kind == "failed":
+            self._failure = message[1]
+        elif kind == "written":
+            with self._lock:
+                self._chunks += 1
+                for _ in range(message[1]):
+                    self._unwritten.popleft()
+        elif kind == "error":
+            with self._lock:
+                self._error = OSError(message[1])
+        elif kind == "done":
+            self._done = (message[1], message[2])
+
+    def _decide(self, *, usable: bool, failure: str = "") -> None:
+        """Settle, once, whether the process writes the run (the first to decide wins)."""
+        with self._lock:
+            if self._ready.is_set():
+                return
+            self._usable = usable
+            self._failure = self._failure or failure
+            self._ready.set()
+
+    def _mark_dead(self) -> None:
+        with self._lock:
+            if self._dead or self._done is not None:
+                return
+            self._dead = True
+            self._error = OSError(
+                f"{self._death_reason()}; the samples it had not written and every later sample "
+                "are counted as lost (see result.json)"
+            )
+        self._drain()  # unblocks a training thread waiting for room
+
+
+_SAMPLE = pickle.dumps(("sample",), protocol=pickle.HIGHEST_PROTOCOL)
+_SAMPLE_HEADER = len(_SAMPLE)
+
+
+_open_writers: weakref.WeakSet[ProcessWriter] = weakref.WeakSet()
+
+
+def _forget_pipes_after_fork() -> None:
+    """In a forked child (a ``DataLoader`` worker), close its copy of the pipe to the writer.
+
+    So the writer sees the pipe's end when the training process dies, whatever lives on.
+    """
+    for writer in list(_open_writers):
+        pipe, writer._to_writer = writer._to_writer, None  # no sender thread survived the fork
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                os.close(pipe)
+
+
+os.register_at_fork(after_in_child=_forget_pipes_after_fork)
+
+
+def _merge(report: WriterReport, extra: Losses) -> None:
+    report.losses.samples += extra.samples
+    report.losses.rows += extra.rows
+    for reason in extra.reasons:
+        report.losses.note(reason)
+
+
+def _folder(name: str) -> str | None:
+    module = sys.modules.get(name)
+    paths = getattr(module, "__path__", None)
+    return None if not paths else str(next(iter(paths)))
+
+
+def _json(value: object) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def _exit_status(process: subprocess.Popen[bytes] | None) -> str:
+    if process is None:
+        return "it did not start"
+    try:
+        code = process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return "its pipe closed"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+# -- the writer process ---------------------------------------------------------------------------
+
+
+def serve(read_fd: int, write_fd: int) -> None:
+    """The writer process: open the run's writer, take samples until told to finish."""
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_IGN)
+    with contextlib.suppress(OSError, AttributeError):  # no nice on Windows
+        os.nice(_NICENESS)  # where the cores are busy, training and its reductions go first
+    incoming = open(read_fd, "rb")  # noqa: SIM115
+    outgoing = open(write_fd, "wb")  # noqa: SIM115
+    lock = threading.Lock()
+
+    def reply(message: object) -> None:
+        with lock:
+            _send(outgoing, message)
+
+    opening = _receive(incoming)
+    if opening is None:
+        return
+    settings: WriterSettings = opening[1]
+    try:
+        writer, histograms, aggregates = _open(settings, reply)
+    except Exception as error:
+        reply(("failed", cause(error)))
+        return
+    reply(("ready",))
+    finished = _take_samples(incoming, writer, reply)
+    report = writer.finish()
+    if histograms is not None:
+        try:
+            histograms.close()
+        except Exception as error:
+            report.losses.note(f"the TensorBoard histograms could not be closed ({cause(error)})")
+    if finished:
+        reply(("done", report, aggregates))
+
+
+def _open(
+    settings: WriterSettings, reply: Callable[[object], None]
+) -> tuple[ChunkWriter, TensorBoardHistograms | None, RunAggregates]:
+    histograms = (
+        TensorBoardHistograms(settings.layout.tensorboard, settings.run)
+        if settings.tensorboard
+        else None
+    )
+    aggregates = RunAggregates()
+    writer = ChunkWriter(
+        settings.layout,
+        chunk_rows=settings.chunk_rows,
+        flush_seconds=settings.flush_seconds,
+        queue_size=settings.queue_size,
+        on_sample=[histograms] if histograms is not None else [],
+        on_written=[aggregates.add],
+        on_chunk=lambda samples: reply(("written", samples)),
+    )
+    writer.start()
+    return writer, histograms, aggregates
+
+
+def _take_samples(incoming: BinaryIO, writer: ChunkWriter, reply: Callable[[object], None]) -> bool:
+    """Hand each sample to the writer; whether the training process asked to finish."""
+    while True:
+        header = incoming.read(_LENGTH.size)
+        if len(header) < _LENGTH.size:
+            return False  # the training process is gone: write what we hold and exit
+        (length,) = _LENGTH.unpack(header)
+        payload = incoming.read(length)
+        if len(payload) < length:
+            return False
+        if payload.startswith(_SAMPLE):
+            sample = decode(payload[_SAMPLE_HEADER:])
+            try:
+                writer.put(sample)
+            except OSError as error:
+                reply(("error", str(error)))
+            del sample
+            continue
+        if pickle.loads(payload)[0] == "finish":
+            return True

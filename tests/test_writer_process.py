@@ -1,0 +1,288 @@
+"""The run directory's writer process: no torch in it, and every way it can fail.
+
+The default ``RunDirectorySink`` writes from a process of its own (``_writer_process``). These
+tests start the real process: they kill it, keep it from starting, send it Ctrl-C, kill the
+training process under it, and read back what is on disk with Polars.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from typing import Any
+
+import polars as pl
+import pytest
+import torch
+
+from test_run_directory_reliability import ROWS_PER_SAMPLE, Net, _train, _within
+from torchinstruments_core import (
+    AlwaysSampler,
+    ConfigurationError,
+    ObservationWarning,
+    SampleRecord,
+    StatRow,
+    inject_observer,
+)
+from torchinstruments_core._rows import RowPart, SampleRows
+from torchinstruments_core._signals import Signal
+from torchinstruments_core.run_directory import (
+    RunDirectorySink,
+    _writer_process,
+    inspect_run,
+    repair,
+)
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="pipes passed by descriptor")
+
+
+def _result(folder: pathlib.Path) -> dict[str, Any]:
+    return json.loads((folder / "result.json").read_text())
+
+
+def _ready(sink: RunDirectorySink) -> int:
+    """Wait until the writer process has said it is ready; its id."""
+    writer = sink._writer
+    assert isinstance(writer, _writer_process.ProcessWriter)
+    assert writer._ready.wait(timeout=60)
+    assert writer._usable
+    assert sink.writer_pid is not None
+    return sink.writer_pid
+
+
+def test_a_record_crosses_the_pipe_with_its_rows_as_parts() -> None:
+    """``decode(encode(record))`` equals the record; its rows stay columns (no ``StatRow``s)."""
+    part = RowPart("layer", 0, Signal.OUTPUT, "output", ("mean", "std"), [1.0, None], [None, "x"])
+    record = SampleRecord("r", 0, 3, 7, 1.5, False, 2.0, SampleRows([part]), ())
+    again = _writer_process.decode(_writer_process.encode(record))
+    assert isinstance(again.rows, SampleRows)
+    assert again.rows._rows is None  # not made into rows on the way
+    assert again == record
+    plain = SampleRecord(
+        "r", 0, 4, None, 1.5, True, 2.0, (StatRow(*part[:4], "mean", 1.0, None),), ()
+    )
+    assert _writer_process.decode(_writer_process.encode(plain)) == plain
+
+
+def test_the_writer_is_a_process_without_torch_and_writes_the_same_run(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The default sink's writer is another process, niced, without torch; the run is complete.
+
+    Its history, samples, aggregates and TensorBoard file are those a writer thread writes.
+    """
+    runs = {}
+    for kind in ("process", "thread"):
+        torch.manual_seed(0)
+        model = Net()
+        sink = RunDirectorySink(tmp_path / kind, writer=kind, chunk_rows=50)
+        observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+        torch.manual_seed(1)
+        _train(model, 12)
+        if kind == "process":
+            pid = _ready(sink)
+            assert pid != os.getpid()
+            niceness = os.getpriority(os.PRIO_PROCESS, 0)
+            assert os.getpriority(os.PRIO_PROCESS, pid) == min(niceness + 10, 19)
+            maps = pathlib.Path(f"/proc/{pid}/maps")
+            if maps.exists():
+                assert "libtorch" not in maps.read_text()
+        else:
+            assert sink.writer_pid is None
+        observer.remove()
+        assert sink.writer_pid is None
+        runs[kind] = tmp_path / kind
+    for table in ("history.parquet", "samples.parquet"):
+        drop = ["run_id", "timestamp", "collection_duration_ms"]
+        frames = [pl.read_parquet(runs[k] / table).drop(drop, strict=False) for k in runs]
+        assert frames[0].height > 0
+        assert frames[0].equals(frames[1])
+    results = [_result(runs[k]) for k in runs]
+    assert results[0]["status"] == results[1]["status"] == "complete"
+    assert results[0]["samples"]["count"] == results[1]["samples"]["count"] == 12
+    assert results[0]["signals"] == results[1]["signals"]
+    events = [sorted((runs[k] / "tensorboard").iterdir()) for k in runs]
+    assert len(events[0]) == len(events[1]) == 1
+    assert events[0][0].stat().st_size == events[1][0].stat().st_size > 0
+
+
+def test_a_killed_writer_process_never_blocks_training_and_every_unwritten_sample_counts(
+    tmp_path: pathlib.Path,
+) -> None:
+    """SIGKILL to the writer: training goes on unblocked, every unwritten sample counts.
+
+    The death is reported once; the samples it had not written, and every later one, are
+    counted as lost, exactly. The run is finalized from the chunks it wrote, whose aggregates
+    are read back from disk.
+    """
+    model = Net()
+    sink = RunDirectorySink(tmp_path / "run", chunk_rows=1, flush_seconds=0.05, queue_size=2)
+    observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+    _train(model, 5)
+    pid = _ready(sink)
+    deadline = time.monotonic() + 30
+    while len(list((tmp_path / "run" / "history.parts").glob("history*.parquet"))) < 5:
+        assert time.monotonic() < deadline, "the first five samples were never written"
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _within(60, lambda: _train(model, 35, pause=0.01))
+        _within(60, observer.remove)
+    messages = [str(w.message) for w in caught if issubclass(w.category, ObservationWarning)]
+    assert len(messages) == 2, messages
+    assert "writer process" in messages[0]
+    assert "killed by SIGKILL" in messages[0]
+    result = _result(tmp_path / "run")
+    written = pl.read_parquet(tmp_path / "run" / "samples.parquet").height
+    assert written >= 5
+    lost = 40 - written
+    assert result["status"] == "complete_with_losses"
+    assert result["lost"]["samples"] == lost
+    assert result["lost"]["rows"] == lost * ROWS_PER_SAMPLE
+    assert f"{lost} samples ({lost * ROWS_PER_SAMPLE} rows) were lost" in messages[1]
+    assert result["samples"]["count"] == written  # rebuilt from the chunks on disk
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    assert history.height == written * ROWS_PER_SAMPLE
+    assert sink.report is not None
+    assert sink.report.died
+
+
+@pytest.mark.parametrize("failure", ["no interpreter", "exits at once", "fails to set up"])
+def test_a_writer_process_that_cannot_start_hands_the_run_to_a_thread(
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    failure: str,
+) -> None:
+    """No usable process: a warning in the log, a thread writes, and nothing is lost."""
+    if failure == "no interpreter":
+        monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    elif failure == "exits at once":
+        monkeypatch.setattr(_writer_process, "_BOOT", "import sys; sys.exit(3)")
+    else:  # the process starts, but opening the writer raises there
+        broken = "import torchinstruments_core.run_directory._writer_process as w\nw._open = None\n"
+        monkeypatch.setattr(
+            _writer_process, "_BOOT", _writer_process._BOOT.replace("serve(", broken + "serve(")
+        )
+    model = Net()
+    sink = RunDirectorySink(tmp_path / "run", chunk_rows=1, flush_seconds=0.05)
+    observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+    with caplog.at_level(logging.WARNING, logger="torchinstruments_core"):
+        _train(model, 6)
+        observer.remove()
+    assert any("could not start" in r.getMessage() for r in caplog.records)
+    result = _result(tmp_path / "run")
+    assert result["status"] == "complete"
+    assert result["samples"]["count"] == 6
+    assert pl.read_parquet(tmp_path / "run" / "history.parquet").height == 6 * ROWS_PER_SAMPLE
+    assert len(list((tmp_path / "run" / "tensorboard").iterdir())) == 1
+
+
+def test_ctrl_c_and_sigterm_leave_the_writer_process_to_the_training_process(
+    tmp_path: pathlib.Path,
+) -> None:
+    """SIGINT and SIGTERM (a Ctrl-C, a scheduler) do not stop the writer: the run closes whole."""
+    model = Net()
+    sink = RunDirectorySink(tmp_path / "run")
+    observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+    _train(model, 3)
+    pid = _ready(sink)
+    os.kill(pid, signal.SIGINT)
+    os.kill(pid, signal.SIGTERM)
+    _train(model, 3)
+    observer.remove()
+    assert _result(tmp_path / "run")["status"] == "complete"
+    assert _result(tmp_path / "run")["samples"]["count"] == 6
+
+
+_KILLED_TRAINING = """
+import os, signal, sys, time, torch
+from torch import nn
+from torchinstruments_core import AlwaysSampler, inject_observer
+from torchinstruments_core.run_directory import RunDirectorySink
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+sink = RunDirectorySink(sys.argv[1], flush_seconds=3600)  # nothing reaches disk on its own
+inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+for _ in range(7):
+    model(torch.randn(8, 4)).square().mean().backward()
+worker = os.fork()  # a DataLoader worker's way: it outlives the kill below by a minute
+if worker == 0:
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)  # the test reads the output until every copy of it is closed
+    os.dup2(quiet, 2)
+    time.sleep(60)
+    os._exit(0)
+print(sink.writer_pid, worker, flush=True)
+time.sleep(1.0)  # the samples cross the pipe
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_training_process_leaves_its_last_samples_on_disk_for_repair(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A training process killed with its samples in the writer's memory leaves them on disk.
+
+    The writer process reads the end of its pipe, writes them as a last chunk and exits, and
+    repair completes the run. A process forked from the training process (a ``DataLoader``
+    worker) that lives on holds no copy of the pipe that would keep the writer waiting.
+    """
+    run = tmp_path / "run"
+    killed = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_KILLED_TRAINING), str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    pid, worker = map(int, killed.stdout.split()[:2])
+    try:
+        deadline = time.monotonic() + 30
+        while _running(pid):
+            assert time.monotonic() < deadline, "the writer process outlived its run"
+            time.sleep(0.05)
+        assert _running(worker)  # it did live on
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+    while _running(worker):  # it holds a copy of the folder's lock (any fork does) until it ends
+        time.sleep(0.05)
+    state = inspect_run(run)
+    assert state.needs_repair
+    assert len(state.history) == 1  # one last chunk
+    (repaired,) = repair(run)
+    assert repaired.status == "recovered"
+    assert pl.read_parquet(run / "samples.parquet")["sample_id"].to_list() == list(range(7))
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie no one has reaped yet has exited)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_the_writer_can_be_chosen_and_a_wrong_choice_fails_at_once(tmp_path: pathlib.Path) -> None:
+    """``writer="thread"`` starts no process; any other name is a ``ConfigurationError``."""
+    with pytest.raises(ConfigurationError, match="writer"):
+        RunDirectorySink(tmp_path / "bad", writer="subprocess")
+    model = Net()
+    sink = RunDirectorySink(tmp_path / "run", writer="thread")
+    observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+    _train(model, 2)
+    assert sink.writer_pid is None
+    observer.remove()
+    assert _result(tmp_path / "run")["samples"]["count"] == 2
