@@ -286,3 +286,64 @@ def test_the_writer_can_be_chosen_and_a_wrong_choice_fails_at_once(tmp_path: pat
     assert sink.writer_pid is None
     observer.remove()
     assert _result(tmp_path / "run")["samples"]["count"] == 2
+
+
+def test_a_writer_process_that_hangs_at_start_is_replaced_by_a_thread(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that never says it is ready is killed after the start timeout.
+
+    A thread writes the run instead, and nothing is lost.
+    """
+    monkeypatch.setattr(_writer_process, "_READY_SECONDS", 1.0)
+    monkeypatch.setattr(_writer_process, "_BOOT", "import time; time.sleep(300)")
+    model = Net()
+    sink = RunDirectorySink(tmp_path / "run", chunk_rows=1, flush_seconds=0.05, queue_size=2)
+    observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+    _within(60, lambda: _train(model, 6, pause=0.05))
+    writer = sink._writer
+    assert isinstance(writer, _writer_process.ProcessWriter)
+    process = writer._process
+    _within(60, observer.remove)
+    assert process is not None
+    assert process.returncode == -signal.SIGKILL
+    result = _result(tmp_path / "run")
+    assert result["status"] == "complete"
+    assert result["samples"]["count"] == 6
+
+
+def test_no_writer_at_all_never_blocks_training_and_counts_every_sample_lost(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither the process nor the fallback thread can start: training goes on, all is counted."""
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+
+    def no_thread(self: RunDirectorySink) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(RunDirectorySink, "_thread_writer", no_thread)
+    model = Net()
+    sink = RunDirectorySink(tmp_path / "run", queue_size=2)
+    observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _within(60, lambda: _train(model, 10))
+        _within(60, observer.remove)
+    messages = [str(w.message) for w in caught if issubclass(w.category, ObservationWarning)]
+    assert any("can't start new thread" in message for message in messages), messages
+    assert f"10 samples ({10 * ROWS_PER_SAMPLE} rows) were lost" in messages[-1]
+    assert _result(tmp_path / "run")["lost"]["samples"] == 10
+
+
+def test_a_path_object_on_sys_path_does_not_keep_the_process_from_starting(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sys.path`` entries that are ``pathlib.Path`` objects reach the process as text."""
+    monkeypatch.setattr(sys, "path", [*sys.path, tmp_path / "elsewhere"])
+    model = Net()
+    sink = RunDirectorySink(tmp_path / "run")
+    observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+    _train(model, 2)
+    assert _ready(sink) != os.getpid()
+    observer.remove()
+    assert _result(tmp_path / "run")["samples"]["count"] == 2

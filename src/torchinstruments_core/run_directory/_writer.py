@@ -124,8 +124,8 @@ class ChunkWriter:
             was built only for the chunk: the record then holds its rows) once its chunk is
             on disk, in order (the aggregates of result.json, which so describe exactly the
             rows of the history). The record no longer holds its rows when a frame is given.
-        on_chunk: Called with the number of samples of each chunk once it is on disk and its
-            samples went through ``on_written`` (the writer process tells the training process).
+        on_chunk: Called with the number of samples of each chunk as soon as it is on disk,
+            before ``on_written`` (the writer process tells the training process).
     """
 
     def __init__(
@@ -252,6 +252,8 @@ class ChunkWriter:
             return
         self._buffer, self._rows = [], 0
         self._retry_at = 0.0
+        if self._on_chunk is not None:  # at once: the chunk's samples are on disk
+            self._on_chunk(len(held))
         self._written(held)
 
     def _failed_write(self, held: list[_Held], error: Exception, *, final: bool) -> None:
@@ -298,8 +300,6 @@ class ChunkWriter:
             # a chunk's samples are folded in one by one (a millisecond or two each): between
             # them the training thread takes the GIL at once instead of after a switch interval
             time.sleep(0)
-        if self._on_chunk is not None:
-            self._on_chunk(len(held))
 
     def _consumer_failed(
         self, consumer: Callable[..., None], sample: SampleRecord, error: Exception

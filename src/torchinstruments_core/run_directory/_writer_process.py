@@ -180,7 +180,9 @@ class ProcessWriter:
         self._usable = False  # the process said it is ready
         self._dead = False
         self._done: tuple[WriterReport, RunAggregates] | None = None
-        self._chunks = 0
+        self._chunks = 0  # the chunks, samples and rows the process said are on disk
+        self._written_samples = 0
+        self._written_rows = 0
         self._failure = ""
         self._thread_writer: ChunkWriter | None = None
         self._process: subprocess.Popen[bytes] | None = None
@@ -209,7 +211,7 @@ class ProcessWriter:
         """Start the writer process (without waiting for it) and the threads that talk to it."""
         try:
             self._spawn()
-        except (OSError, ValueError, subprocess.SubprocessError) as error:
+        except Exception as error:  # no process, whatever the reason: a thread writes
             self._failure = cause(error)
             self._ready.set()
         else:
@@ -219,22 +221,22 @@ class ProcessWriter:
     def _spawn(self) -> None:
         if not sys.executable or getattr(sys, "frozen", False):
             raise ValueError("no Python interpreter to start (sys.executable is not one)")
+        path = [os.path.abspath(entry) for entry in map(_text, sys.path) if entry is not None]
+        folders = {name: _folder(name) for name in _PACKAGES}
+        command = [
+            sys.executable,
+            "-c",
+            _BOOT,
+            _json(path),
+            _json({name: folder for name, folder in folders.items() if folder is not None}),
+        ]
         down_read, down_write = os.pipe()
         up_read, up_write = os.pipe()
         with contextlib.suppress(AttributeError, OSError):  # Linux only; a bigger buffer
             import fcntl
 
             fcntl.fcntl(down_write, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-        folders = {name: _folder(name) for name in _PACKAGES}
-        command = [
-            sys.executable,
-            "-c",
-            _BOOT,
-            _json(sys.path),
-            _json({name: path for name, path in folders.items() if path is not None}),
-            str(down_read),
-            str(up_write),
-        ]
+        command += [str(down_read), str(up_write)]
         try:
             self._process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, pass_fds=(down_read, up_write)
@@ -277,17 +279,16 @@ class ProcessWriter:
             with contextlib.suppress(queue.Full):
                 self._queue.put_nowait(_STOP)
         self._sender.join()
-        if self._thread_writer is not None:
-            report = self._thread_writer.finish()
-        else:
-            self._reader.join()
-            if self._process is not None:
-                try:
-                    self._process.wait(timeout=_EXIT_SECONDS)
-                except subprocess.TimeoutExpired:  # it said all it had to say
-                    self._process.kill()
-                    self._process.wait()
-            report = self._report()
+        if self._reader.ident is not None:
+            self._reader.join()  # ends at the report, or at the end of the pipe
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=_EXIT_SECONDS)
+            except subprocess.TimeoutExpired:  # it said all it had to say, or is not ours now
+                self._process.kill()
+                self._process.wait()
+        writer = self._thread_writer
+        report = writer.finish() if writer is not None else self._report()
         with self._lock:
             _merge(report, self._extra)
         return report
@@ -298,7 +299,12 @@ class ProcessWriter:
                 report, self.aggregates = self._done
                 return report
             self.died = True
-            report = WriterReport(chunks=self._chunks, died=True)
+            report = WriterReport(
+                chunks=self._chunks,
+                samples_written=self._written_samples,
+                rows_written=self._written_rows,
+                died=True,
+            )
             report.losses.add(list(self._unwritten), self._death_reason())
             self._unwritten.clear()
             return report
@@ -329,16 +335,18 @@ class ProcessWriter:
 
     def _send_loop(self) -> None:
         pipe = self._to_writer
+        watchdog = threading.Timer(_READY_SECONDS, self._not_ready)
+        watchdog.daemon = True
+        watchdog.start()  # also while the catalog is written: a large one fills the pipe
         try:
             if pipe is not None:
                 _write(pipe, _message(("open", self._settings)))  # read once its imports are done
-            if not self._ready.wait(timeout=_READY_SECONDS):
-                self._decide(usable=False, failure=f"not ready after {_READY_SECONDS:.0f} s")
-                if self._process is not None:
-                    self._process.kill()
-        except (OSError, ValueError) as error:  # it exited before it read a word
+            self._ready.wait()
+        except OSError as error:  # it exited before it read a word (or was killed, not ready)
             self._ready.wait(timeout=_READY_SECONDS)  # the reader says why
             self._decide(usable=False, failure=cause(error))
+        finally:
+            watchdog.cancel()
         if not self._usable:
             self._close_pipe()
             self._write_in_process()
@@ -375,7 +383,12 @@ class ProcessWriter:
             self._settings.layout.root,
             self._failure,
         )
-        writer = self._in_process()
+        try:
+            writer = self._in_process()
+        except BaseException as error:  # no writer at all: never let a put wait for one
+            self._failure = f"{self._failure}; nor could a writer thread ({cause(error)})"
+            self._mark_dead()  # the queued samples are in ``_unwritten``: counted as lost
+            return
         with self._lock:
             self._thread_writer = writer
             self._unwritten.clear()  # the thread writer counts them from here on
@@ -395,7 +408,7 @@ class ProcessWriter:
         stream = self._from_writer
         assert stream is not None
         try:
-            while (message := _receive(stream)) is not None:
+            while self._done is None and (message := _receive(stream)) is not None:
                 self._take(message)
         except (OSError, pickle.UnpicklingError, EOFError, ValueError, AttributeError) as error:
             self._failure = self._failure or cause(error)
@@ -418,21 +431,30 @@ class ProcessWriter:
             with self._lock:
                 self._chunks += 1
                 for _ in range(message[1]):
-                    self._unwritten.popleft()
+                    self._written_rows += self._unwritten.popleft()
+                self._written_samples += message[1]
         elif kind == "error":
             with self._lock:
                 self._error = OSError(message[1])
         elif kind == "done":
             self._done = (message[1], message[2])
 
-    def _decide(self, *, usable: bool, failure: str = "") -> None:
-        """Settle, once, whether the process writes the run (the first to decide wins)."""
+    def _decide(self, *, usable: bool, failure: str = "") -> bool:
+        """Settle, once, whether the process writes the run; whether this call settled it."""
         with self._lock:
             if self._ready.is_set():
-                return
+                return False
             self._usable = usable
             self._failure = self._failure or failure
             self._ready.set()
+            return True
+
+    def _not_ready(self) -> None:
+        """The watchdog: a process not ready in ``_READY_SECONDS`` is killed, a thread writes."""
+        settled = self._decide(usable=False, failure=f"not ready after {_READY_SECONDS:.0f} s")
+        if settled and self._process is not None:
+            with contextlib.suppress(OSError):
+                self._process.kill()
 
     def _mark_dead(self) -> None:
         with self._lock:
@@ -478,7 +500,14 @@ def _merge(report: WriterReport, extra: Losses) -> None:
 def _folder(name: str) -> str | None:
     module = sys.modules.get(name)
     paths = getattr(module, "__path__", None)
-    return None if not paths else str(next(iter(paths)))
+    return None if not paths else os.path.abspath(str(next(iter(paths))))
+
+
+def _text(entry: object) -> str | None:
+    """A ``sys.path`` entry as text (an ``os.PathLike`` too); ``None`` for anything else."""
+    if isinstance(entry, str | os.PathLike):
+        return os.fsdecode(entry)
+    return None
 
 
 def _json(value: object) -> str:
