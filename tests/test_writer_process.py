@@ -228,6 +228,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_training_process_leaves_its_last_samples_on_disk_for_repair(
     tmp_path: pathlib.Path,
 ) -> None:
