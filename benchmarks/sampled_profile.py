@@ -1,7 +1,7 @@
 """Where a sampled step's time goes: the observer's phases, timed inside one process.
 
     uv run python benchmarks/sampled_profile.py [--workload small-gpt] [--steps 20]
-        [--sink run-directory|recording] [--writer process|thread]
+        [--sink run-directory|recording] [--writer process|thread] [--stub-reductions]
 
 The engine's functions are wrapped with timers (wall clock, ``time.perf_counter``, or with
 ``--clock cpu`` the thread's CPU time, steadier on a busy machine; about a microsecond per call,
@@ -16,6 +16,12 @@ reductions themselves; ``reduce: all reducers of a tensor`` holds the statistics
 reducer; ``deliver`` holds ``build`` (rows and histogram edges) and the hand-over to the sink;
 ``settle`` is the wait for the worker's last tensors when a sample closes (at the end of its
 backward).
+The ``entry:`` phases time the observer's entry points on the training thread whole (a layer's
+forward hook, a gradient hook, closing the sample, ``begin_step`` and ``end_step``): their sum is
+all the observer's own time there, and what the step gains beyond it is the model's work slowed
+beside the reduction worker (the caches, the memory bandwidth, the GIL). With
+``--stub-reductions`` every reduction gives no value at once, so the hooks, hand-overs, rows and
+delivery run without the reductions they wrap.
 The run directory's writer runs in a process of its own (the default, ``--writer process``),
 which these timers do not see: what is left of it here is pickling each sample, inside
 ``deliver``. With ``--writer thread`` it runs on a thread of this process, and its phases show
@@ -67,7 +73,17 @@ def _thread() -> str:
 
 
 def _instrument() -> None:
-    from torchinstruments_core import _background, _delivery, _measure, _sample, reducers
+    from torchinstruments_core import (
+        _background,
+        _capture,
+        _delivery,
+        _hooks,
+        _lifecycle,
+        _measure,
+        _observer,
+        _sample,
+        reducers,
+    )
     from torchinstruments_core.reducers import base
     from torchinstruments_core.run_directory import _aggregate, _tensorboard, _writer
 
@@ -87,6 +103,49 @@ def _instrument() -> None:
     _timed(_writer, "atomic_write_parquet", "chunks: Parquet write")
     _timed(_tensorboard.TensorBoardHistograms, "__call__", "TensorBoard histograms")
     _timed(_aggregate.RunAggregates, "add", "result.json aggregates")
+    # the observer's entry points on the training thread, each timed whole (what it calls
+    # included): every second of the observer's own there is inside one of them
+    _timed_entry(_hooks.Hook, "__call__", "entry: module hooks (every layer's forward)")
+    _timed_entry(_capture.GradientSlot, "__call__", "entry: gradient hooks")
+    _timed_entry(_lifecycle.SampleLifecycle, "_close", "entry: closing the sample")
+    _timed_entry(_observer.Observer, "begin_step", "entry: begin_step")
+    _timed_entry(_observer.Observer, "end_step", "entry: end_step")
+
+
+_ENTERED = threading.local()
+
+
+def _timed_entry(owner: Any, attribute: str, phase: str) -> None:
+    """``_timed`` for an entry point: only its outermost call counts (entry points nest)."""
+    original = getattr(owner, attribute)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_ENTERED, "inside", False):
+            return original(*args, **kwargs)
+        _ENTERED.inside = True
+        started = _clock()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _ENTERED.inside = False
+            _TIMES[_thread(), phase] += _clock() - started
+
+    setattr(owner, attribute, wrapper)
+
+
+def _stub_reductions() -> None:
+    """Make every reduction give no value at once, keeping everything around it.
+
+    The hooks, hand-overs, rows and delivery then run as before (every value unavailable),
+    so the difference to a normal run is what the reductions themselves cost the step.
+    """
+    from torchinstruments_core import _measure
+
+    def fill(self: Any, plain: Any, measurement: Any, *args: Any) -> None:
+        measurement.reason = "empty_tensor"
+
+    _measure.Measurer._fill = fill  # type: ignore[method-assign,assignment]
 
 
 def main() -> None:
@@ -99,7 +158,14 @@ def main() -> None:
     parser.add_argument(
         "--clock", choices=sorted(_CLOCKS), default="wall", help="cpu: the thread's CPU time"
     )
+    parser.add_argument(
+        "--stub-reductions",
+        action="store_true",
+        help="every reduction gives no value at once: what is left is the observer around them",
+    )
     args = parser.parse_args()
+    if args.stub_reductions:
+        _stub_reductions()
     global _clock
     _clock = _CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
@@ -114,6 +180,7 @@ def main() -> None:
             if args.sink == "recording"
             else {"sink": RunDirectorySink(Path(folder) / "run", writer=args.writer)}
         )
+        _instrument()  # before the observer: it binds some of the methods timed (``_close``)
         observer = inject_observer(workload.model, **destination)
 
         def step(number: int, sample: bool) -> float:
@@ -125,7 +192,7 @@ def main() -> None:
 
         for number in range(3):
             step(number, True)
-        _instrument()
+        _TIMES.clear()  # the warm-up steps'
         sampled = [step(3 + n, True) for n in range(args.steps)]
         phases = dict(_TIMES)
         unsampled = [step(3 + args.steps + n, False) for n in range(args.steps)]
@@ -137,8 +204,14 @@ def _print(
     args: argparse.Namespace, sampled: float, unsampled: float, phases: dict[tuple[str, str], float]
 ) -> None:
     sink = args.sink if args.sink == "recording" else f"{args.sink} (writer: {args.writer})"
-    print(f"{WORKLOADS[args.workload].description}; {sink}, {args.steps} sampled steps\n")
-    print(f"median sampled step {sampled * 1e3:.1f} ms, unsampled {unsampled * 1e3:.1f} ms\n")
+    stub = ", reductions stubbed out" if args.stub_reductions else ""
+    print(f"{WORKLOADS[args.workload].description}; {sink}{stub}, {args.steps} sampled steps\n")
+    print(f"median sampled step {sampled * 1e3:.1f} ms, unsampled {unsampled * 1e3:.1f} ms")
+    entries = sum(t for (thread, phase), t in phases.items() if phase.startswith("entry:"))
+    print(
+        f"the observer's entry points on the training thread: {entries / args.steps * 1e3:.2f} ms"
+        f" of the {(sampled - unsampled) * 1e3:.2f} ms between the medians\n"
+    )
     print("| thread | phase | ms per sampled step |")
     print("|---|---|---|")
     for (thread, phase), seconds in sorted(phases.items()):

@@ -429,7 +429,11 @@ def test_background_reductions_is_checked() -> None:
 
 
 def test_by_default_the_worker_runs_only_where_a_core_is_free(monkeypatch: Any) -> None:
-    """``None`` follows ``torch.get_num_threads()`` against the cores the process may use."""
+    """``None`` follows ``torch.get_num_threads()`` against the cores the process may use.
+
+    The threads are read once a sample (at the first tensor after ``new_sample``), not at
+    every tensor: a change shows from the next sample on.
+    """
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1, 2, 3}, raising=False)
     background._cores.cache_clear()
     monkeypatch.setattr(background, "_cores", functools.cache(background._cores.__wrapped__))
@@ -438,6 +442,8 @@ def test_by_default_the_worker_runs_only_where_a_core_is_free(monkeypatch: Any) 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert not measurer._in_background(tensor, None)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert not measurer._in_background(tensor, None)  # the same sample: read at its start
+    measurer.new_sample()
     assert measurer._in_background(tensor, None)
     assert not Measurer(default_reducers(), HistogramReducer(), background=False)._in_background(
         tensor, None
@@ -809,6 +815,39 @@ def test_a_forked_child_copies_without_the_lock_and_keeps_no_spares() -> None:
         release.set()
         holder.join()
         child.join()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_made_by_fork_knows_it_is_one_without_asking_the_system() -> None:
+    """The hot paths compare ``_background._current_pid``, kept current by ``os.register_at_fork``.
+
+    In a real child of a parent whose worker thread runs, a job handed over runs at once in
+    the child (no ticket) and waiting returns, as ``os.getpid`` told before.
+    """
+    worker = ReductionWorker(floor=0, wake_bytes=0)
+    ran: list[str] = []
+    assert worker.submit(8, lambda: (lambda: ran.append("parent"), None)) is not None
+    worker.wait()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's cleanup
+        try:
+            ticket = worker.submit(8, lambda: (lambda: ran.append("child"), None))
+            worker.wait()
+            verdict = (
+                background._current_pid == os.getpid() and ticket is None and ran[-1] == "child"
+            )
+            os.write(write, b"ok" if verdict else b"no")
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = os.read(read, 2)
+    os.close(read)
+    os.waitpid(pid, 0)
+    worker.close()
+    assert answer == b"ok"
+    assert background._current_pid == os.getpid()
+    assert ran == ["parent"]
 
 
 def test_preparing_a_tensor_never_waits_for_another_being_prepared(monkeypatch: Any) -> None:

@@ -42,6 +42,19 @@ if TYPE_CHECKING:
     Job = tuple[Callable[[], None], torch.Tensor | None]
 
 
+_current_pid = os.getpid()
+"""This process's id, kept current in a child made by ``fork``: the hot paths compare it with
+the worker's instead of asking the system (``os.getpid`` is a system call) at every tensor."""
+
+
+def _forked() -> None:
+    global _current_pid
+    _current_pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def free_core() -> bool:
     """Whether torch's intra-op threads leave a core of this process's CPUs free."""
     import torch
@@ -142,7 +155,7 @@ class ReductionWorker:
             The job's ticket for ``done`` and ``wait``; ``None`` when it ran here already
             (after ``close``, or in a child made by ``fork``).
         """
-        if os.getpid() != self._pid or self._closed:  # no worker thread here: run it now
+        if _current_pid != self._pid or self._closed:  # no worker thread here (fork): run it now
             make()[0]()
             return None
         with self._condition:
@@ -178,7 +191,7 @@ class ReductionWorker:
         tensor).
         """
         goal = self._submitted if ticket is None else ticket
-        if self._finished >= goal or os.getpid() != self._pid:
+        if self._finished >= goal or _current_pid != self._pid:
             return
         with self._condition:
             goal = self._submitted if ticket is None else ticket
@@ -187,7 +200,7 @@ class ReductionWorker:
 
     def kick(self) -> None:
         """Wake the worker for the jobs queued so far, however small (a sample's forward ended)."""
-        if os.getpid() != self._pid or not self._jobs:
+        if _current_pid != self._pid or not self._jobs:
             return
         with self._condition:
             self._work.notify()
@@ -203,7 +216,7 @@ class ReductionWorker:
 
     def done(self, ticket: int | None) -> bool:
         """Whether the job with ``ticket`` has run (a job without one ran when submitted)."""
-        return ticket is None or self._finished >= ticket or os.getpid() != self._pid
+        return ticket is None or self._finished >= ticket or _current_pid != self._pid
 
     def on_thread(self) -> bool:
         """Whether the caller runs on this worker's thread (inside a job)."""

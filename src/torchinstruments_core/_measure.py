@@ -198,6 +198,7 @@ class Measurer:
         self._worker = ReductionWorker()
         self._entries = 0  # CPU entries measured since the current forward sample started
         self._small = False  # the previous forward sample was small: reduce in the hooks
+        self._free_core: bool | None = None  # ``free_core()``, read once a sample
         # the measurements read without a copy, per thread that measured them (``_let_go``)
         self._shared: dict[int, collections.deque[Measurement]] = {}
 
@@ -214,6 +215,7 @@ class Measurer:
             self._small = 0 < self._entries <= SMALL_SAMPLE_ENTRIES
             self._entries = 0
         self._index_cache = {}
+        self._free_core = None  # read again: torch's threads may have changed between samples
         self._shared = {  # list(): taken whole, while another thread's hook may add to them
             thread: pending
             for thread, pending in list(self._shared.items())
@@ -271,13 +273,12 @@ class Measurer:
         self._let_go()
         shared = shared and shareable(tensor)
         try:
-            with torch.no_grad():
-                plain = self._plain(tensor, scale)
+            plain = self._plain(tensor, scale)
         except Exception as error:  # an odd tensor must never break the step (error_policy decides)
             return Measurement(reducer_error_reason(error), self.metrics, errors=[error])
         if isinstance(plain, UnavailableReason):
             return Measurement(reason=plain, metrics=self.metrics)
-        on_cpu = plain.device.type == "cpu"
+        on_cpu = plain.is_cpu
         if on_cpu:
             self._entries += plain.numel()
         measurement = Measurement(None, self.metrics, changed=changed)
@@ -316,21 +317,27 @@ class Measurer:
         self, tensor: torch.Tensor, scale: float | torch.Tensor | None
     ) -> torch.Tensor | UnavailableReason:
         """The tensor to reduce (divided by ``scale``), or why there is none."""
+        # ``plain_tensor`` records nothing in autograd (a detach at most): no ``no_grad`` for it,
+        # a context that costs the hook a few microseconds on every tensor
         plain = plain_tensor(tensor)
         if isinstance(plain, UnavailableReason) or scale is None:
             return plain
-        with _autocast_off(plain.device):  # in the working dtype: fp16 would underflow
+        with torch.no_grad(), _autocast_off(plain.device):  # working dtype: fp16 would underflow
             plain = plain.to(working_dtype(plain.dtype))
             return plain / _on_device(scale, plain)
 
     def _in_background(self, plain: torch.Tensor, scale: float | torch.Tensor | None) -> bool:
-        if plain.device.type != "cpu" or self.background is False:
+        if not plain.is_cpu or self.background is False:
             return False
-        if isinstance(scale, torch.Tensor) and scale.device.type != "cpu":
+        if isinstance(scale, torch.Tensor) and not scale.is_cpu:
             return False
         if self.background is True:
             return True
-        return not self._small and free_core()
+        if self._small:
+            return False
+        if self._free_core is None:
+            self._free_core = free_core()
+        return self._free_core
 
     def _job(
         self,
@@ -355,18 +362,18 @@ class Measurer:
         """
         dtype = working_dtype(plain.dtype)
         buffer = aliased = None  # what no result may keep reading: reused, or not ours
-        with torch.no_grad():
-            if owned or (shared and _storage_bytes(plain) <= plain.numel() * dtype.itemsize):
-                # handed over as it is (``plain`` is detached already): the worker flattens it.
-                # Each torch call here releases the GIL, and while the worker reduces, taking
-                # it back costs the hook 5-15 us a call (``benchmarks/gil_handoff.py``).
-                copy = plain
-                if not owned:
-                    measurement.shared = (plain, version(plain))
-                    aliased = copy
-            else:
-                copy = aliased = buffer = self._worker.buffer(plain.numel(), dtype)
-                copy.view(plain.shape).copy_(plain)
+        # no ``no_grad``: ``plain`` requires no grad (``plain_tensor``), so the copy records nothing
+        if owned or (shared and _storage_bytes(plain) <= plain.numel() * dtype.itemsize):
+            # handed over as it is (``plain`` is detached already): the worker flattens it.
+            # Each torch call here releases the GIL, and while the worker reduces, taking
+            # it back costs the hook 5-15 us a call (``benchmarks/gil_handoff.py``).
+            copy = plain
+            if not owned:
+                measurement.shared = (plain, version(plain))
+                aliased = copy
+        else:
+            copy = aliased = buffer = self._worker.buffer(plain.numel(), dtype)
+            copy.view(plain.shape).copy_(plain)
         cache, source_dtype = self._index_cache, plain.dtype  # this sample's, whenever it runs
 
         def job() -> None:

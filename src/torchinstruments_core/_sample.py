@@ -362,6 +362,7 @@ def _histograms(packed: list[tuple[Site, list[float], Measurement]]) -> list[His
             nonfinite_count=int(nonfinite),
         )
         for (site, _, _), (edges, counts, nonfinite) in zip(packed, parts, strict=True)
-        # no finite entries: nothing to bin (the rows say no_finite_values)
-        if all(math.isfinite(edge) for edge in edges)
+        # no finite entries: nothing to bin (the rows say no_finite_values). The edges are
+        # non-decreasing, so the two ends are finite exactly when all of them are.
+        if math.isfinite(edges[0]) and math.isfinite(edges[-1])
     ]
