@@ -1313,7 +1313,10 @@ def test_an_inference_mode_forward_is_reduced_from_copies() -> None:
 
 
 def test_only_tensors_whose_changes_move_their_version_are_shared(tmp_path: Any) -> None:
-    """Plain tensors are; nested, inference and subclass tensors, and all under a group, not."""
+    """Plain tensors are; nested, inference and subclass tensors, and all under a group, not.
+
+    ``Measurer`` reads whether a group is up at the first shared tensor of each sample.
+    """
     from torchinstruments_core._measure import shareable
 
     assert shareable(torch.randn(3))
@@ -1326,12 +1329,22 @@ def test_only_tensors_whose_changes_move_their_version_are_shared(tmp_path: Any)
         pass
 
     assert not shareable(torch.randn(3).as_subclass(Marked))
+    measurer = Measurer(default_reducers(), HistogramReducer(), background=True)
+    before = measurer.measure(torch.randn(100), with_histogram=False, shared=True)
+    assert before.shared is not None
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
     )
     try:
         assert not shareable(torch.randn(3))
+        # a measurer reads the groups once a sample: from the next one on, nothing is shared
+        measurer.new_sample()
+        after = measurer.measure(torch.randn(100), with_histogram=False, shared=True)
+        assert after.shared is None
+        assert before.settle() is None
+        assert after.settle() is None
     finally:
+        measurer.close()
         torch.distributed.destroy_process_group()
 
 

@@ -37,6 +37,7 @@ from torchinstruments_core._rows import RowPart, SampleRows
 from torchinstruments_core._signals import Signal
 from torchinstruments_core.run_directory import (
     RunDirectorySink,
+    _writer_pipe,
     _writer_process,
     inspect_run,
     repair,
@@ -63,14 +64,14 @@ def test_a_record_crosses_the_pipe_with_its_rows_as_parts() -> None:
     """``decode(encode(record))`` equals the record; its rows stay columns (no ``StatRow``s)."""
     part = RowPart("layer", 0, Signal.OUTPUT, "output", ("mean", "std"), [1.0, None], [None, "x"])
     record = SampleRecord("r", 0, 3, 7, 1.5, False, 2.0, SampleRows([part]), ())
-    again = _writer_process.decode(_writer_process.encode(record))
+    again = _writer_pipe.decode(_writer_pipe.encode(record))
     assert isinstance(again.rows, SampleRows)
     assert again.rows._rows is None  # not made into rows on the way
     assert again == record
     plain = SampleRecord(
         "r", 0, 4, None, 1.5, True, 2.0, (StatRow(*part[:4], "mean", 1.0, None),), ()
     )
-    assert _writer_process.decode(_writer_process.encode(plain)) == plain
+    assert _writer_pipe.decode(_writer_pipe.encode(plain)) == plain
 
 
 def test_the_writer_is_a_process_without_torch_and_writes_the_same_run(
@@ -170,7 +171,7 @@ def test_a_writer_process_that_cannot_start_hands_the_run_to_a_thread(
     elif failure == "exits at once":
         monkeypatch.setattr(_writer_process, "_BOOT", "import sys; sys.exit(3)")
     else:  # the process starts, but opening the writer raises there
-        broken = "import torchinstruments_core.run_directory._writer_process as w\nw._open = None\n"
+        broken = "import torchinstruments_core.run_directory._writer_child as w\nw._open = None\n"
         monkeypatch.setattr(
             _writer_process, "_BOOT", _writer_process._BOOT.replace("serve(", broken + "serve(")
         )

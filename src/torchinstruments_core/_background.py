@@ -100,7 +100,10 @@ class ReductionWorker:
     """
 
     def __init__(self, floor: int | None = None, wake_bytes: int = WAKE_BYTES) -> None:
-        lock = threading.RLock()
+        # taken directly (``with self._lock``) on the hand-over's path: a ``Condition``'s own
+        # ``with`` is a Python call around the same lock, and waiting on either condition
+        # needs only this lock held
+        self._lock = lock = threading.RLock()
         self._condition = threading.Condition(lock)  # callers wait here: room, finished jobs
         self._work = threading.Condition(lock)  # the worker waits here: jobs worth a wake
         self._waiters = 0  # callers blocked until jobs run: every job wakes the worker then
@@ -158,7 +161,7 @@ class ReductionWorker:
         if _current_pid != self._pid or self._closed:  # no worker thread here (fork): run it now
             make()[0]()
             return None
-        with self._condition:
+        with self._lock:  # ``_wait_for_jobs`` waits on the condition of this lock
             self._budget = max(self._budget, nbytes)
             while self._held and self._held + nbytes > self._budget:
                 self._wait_for_jobs()  # the jobs holding the room may not have started
@@ -168,8 +171,9 @@ class ReductionWorker:
         except BaseException:
             self._release(nbytes)
             raise
-        with self._condition:
-            self._trim_spares()  # a copy made without ``buffer`` did not trim them
+        with self._lock:
+            if self._spares:
+                self._trim_spares()  # a copy made without ``buffer`` did not trim them
             if not self._closed and self._running():
                 self._jobs.append((job, nbytes, buffer))
                 self._submitted += 1
@@ -202,7 +206,7 @@ class ReductionWorker:
         """Wake the worker for the jobs queued so far, however small (a sample's forward ended)."""
         if _current_pid != self._pid or not self._jobs:
             return
-        with self._condition:
+        with self._lock:
             self._work.notify()
 
     def _wait_for_jobs(self) -> None:
@@ -277,7 +281,7 @@ class ReductionWorker:
     def _release(
         self, nbytes: int, *, finished: int = 0, spare: torch.Tensor | None = None
     ) -> None:
-        with self._condition:
+        with self._lock:
             self._held -= nbytes
             self._finished += finished
             if spare is not None and not self._closed:

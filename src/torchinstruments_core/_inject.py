@@ -140,10 +140,11 @@ def inject_observer(
             while the model computes, from a copy taken in the hook (a gradient, which autograd
             only reads, or an output that an earlier forward left unchanged, from the tensor
             itself): ``None`` (default) where torch's intra-op threads leave a core free
-            (``torch.get_num_threads()`` below the cores this process may use), except after a
-            small sample (at most 512 Ki CPU entries measured from its start to the next
-            sample's, whose reductions are mostly Python the worker cannot overlap with the
-            model: the next sample is reduced in the hooks); ``True`` always, ``False`` never.
+            (``torch.get_num_threads()`` below the cores this process may use, read at each
+            sample's first tensor), except after a small sample (at most 512 Ki CPU entries
+            measured from its start to the next sample's, whose reductions are mostly Python
+            the worker cannot overlap with the model: the next sample is reduced in the
+            hooks); ``True`` always, ``False`` never.
             The values are the same either way, but for a tensor read without a copy that the
             model's code changes in place before that was checked (at the thread's next hook,
             or when the sample closes): that sample has no values for it

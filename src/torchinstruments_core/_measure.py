@@ -134,20 +134,26 @@ class Measurement:
                 self.changed()
 
 
-def shareable(tensor: torch.Tensor) -> bool:
+def shareable(tensor: torch.Tensor, *, groups: bool | None = None) -> bool:
     """Whether any in-place change of ``tensor`` would move its version (``Measurer.measure``).
 
     Not a wrapper subclass (a ``DTensor``'s ops move its own version, not its local tensor's),
     a nested tensor or an inference tensor (which has no version), and not once a process
     group is up: a collective (a tensor-parallel ``all_reduce`` of a gradient in its
-    ``backward``) writes into a tensor without moving its version.
+    ``backward``) writes into a tensor without moving its version. ``groups``: whether one is
+    up, if the caller knows (``process_groups_up``), else asked here.
     """
     return (
         type(tensor) is torch.Tensor
         and not tensor.is_nested
         and not tensor.is_inference()
-        and not (dist.is_available() and dist.is_initialized())
+        and not (process_groups_up() if groups is None else groups)
     )
+
+
+def process_groups_up() -> bool:
+    """Whether a default process group is up (``torch.distributed`` initialized)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def reducer_error_reason(error: BaseException) -> str:
@@ -199,6 +205,7 @@ class Measurer:
         self._entries = 0  # CPU entries measured since the current forward sample started
         self._small = False  # the previous forward sample was small: reduce in the hooks
         self._free_core: bool | None = None  # ``free_core()``, read once a sample
+        self._groups: bool | None = None  # ``process_groups_up()``, read once a sample
         # the measurements read without a copy, per thread that measured them (``_let_go``)
         self._shared: dict[int, collections.deque[Measurement]] = {}
 
@@ -215,12 +222,20 @@ class Measurer:
             self._small = 0 < self._entries <= SMALL_SAMPLE_ENTRIES
             self._entries = 0
         self._index_cache = {}
-        self._free_core = None  # read again: torch's threads may have changed between samples
+        # read again: torch's threads, or the process groups, may have changed between samples
+        self._free_core = self._groups = None
         self._shared = {  # list(): taken whole, while another thread's hook may add to them
             thread: pending
             for thread, pending in list(self._shared.items())
             if any(measurement.shared is not None for measurement in list(pending))
         }
+
+    def process_groups(self) -> bool:
+        """``process_groups_up()``, read once a sample (at its first shared tensor)."""
+        groups = self._groups
+        if groups is None:
+            groups = self._groups = process_groups_up()
+        return groups
 
     def wait(self) -> None:
         """Block until the reduction worker has reduced every tensor handed to it."""
@@ -271,7 +286,7 @@ class Measurer:
         version is shared (``shareable``).
         """
         self._let_go()
-        shared = shared and shareable(tensor)
+        shared = shared and shareable(tensor, groups=self.process_groups())
         try:
             plain = self._plain(tensor, scale)
         except Exception as error:  # an odd tensor must never break the step (error_policy decides)

@@ -291,8 +291,8 @@ class OutputProbe:
         self._add(sample, site, grad, slot.histogram, scale, measure, computed=True)
         sample.overhead.append((began, profiler.stamp(device)))
 
-    @staticmethod
     def _add(
+        self,
         sample: Sample,
         site: Site,
         tensor: torch.Tensor,
@@ -323,7 +323,8 @@ class OutputProbe:
         if measurement is None:
             measurement = measure()
             if computed or (computed is None and _computed(tensor)):
-                sample.remember(tensor, histogram, scale, measurement)
+                groups = self._measurer.process_groups()
+                sample.remember(tensor, histogram, scale, measurement, groups=groups)
         sample.add(site, measurement, histogram=histogram)
 
     def _measure(self, tensor: torch.Tensor, site: Site, histogram: bool) -> Measurement:
@@ -351,7 +352,8 @@ class OutputProbe:
         shared = computed and site in self._unchanged
         measurement = self._measure_shared(tensor, site, histogram, None, shared=shared)
         learn = computed and not shared and site not in self._changed
-        if learn and measurement.worker is not None and shareable(tensor):
+        groups = self._measurer.process_groups
+        if learn and measurement.worker is not None and shareable(tensor, groups=groups()):
             sample.unverified.append((site, _hold(sample, tensor), version(tensor)))
         return measurement
 

@@ -198,9 +198,14 @@ class Sample:
         histogram: bool,
         scale: float | torch.Tensor | None,
         measurement: Measurement,
+        *,
+        groups: bool | None = None,
     ) -> None:
-        """Note that ``measurement`` is of ``tensor`` as it is now, for ``measured``."""
-        if shareable(tensor):
+        """Note that ``measurement`` is of ``tensor`` as it is now, for ``measured``.
+
+        ``groups``: whether a process group is up, if the caller knows (``shareable``).
+        """
+        if shareable(tensor, groups=groups):
             self._taken[id(tensor)] = _Taken(
                 weakref.ref(tensor), version(tensor), scale, histogram, measurement
             )

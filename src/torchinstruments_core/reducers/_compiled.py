@@ -2,7 +2,7 @@
 
 ``_native`` holds the calls the reductions make into the extension and imports torch; the
 writer's CRC-32C (``run_directory._crc32c``) needs the extension too, also in the writer's own
-process (``run_directory._writer_process``), which imports no torch.
+process (``run_directory._writer_child``), which imports no torch.
 """
 
 from __future__ import annotations

@@ -17,11 +17,8 @@ OS runs the training thread and the reduction worker first. It ignores SIGINT an
 Ctrl-C or a scheduler's SIGTERM meant for the job lets the training process close the run,
 and the writer exits when its pipe closes.
 
-Messages (an 8-byte little-endian length, then a pickle) to the writer: ``("open", …)``, then
-``("sample", record)`` for each sample, then ``("finish",)``. Back to the training process:
-``("ready",)`` or ``("failed", why)``, ``("written", samples)`` for each chunk on disk,
-``("error", message)`` for a failure to raise at the next ``put`` (a full disk), and at the end
-``("done", report, aggregates)``.
+The messages and their framing are in ``_writer_pipe``, the writer process's side in
+``_writer_child``.
 
 Failures (nothing may hang, nothing may be lost silently):
 
@@ -39,22 +36,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import os
 import pickle
 import queue
 import signal
-import struct
 import subprocess
 import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
-from torchinstruments_core._rows import SampleRows, row_parts
-from torchinstruments_core.run_directory._aggregate import RunAggregates
-from torchinstruments_core.run_directory._tensorboard import TensorBoardHistograms
 from torchinstruments_core.run_directory._writer import (
     ChunkWriter,
     Losses,
@@ -62,23 +54,28 @@ from torchinstruments_core.run_directory._writer import (
     cause,
     enqueue,
 )
+from torchinstruments_core.run_directory._writer_pipe import (
+    WriterSettings,
+    encode,
+    message,
+    receive,
+    sample_message,
+    write_all,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from torchinstruments_core._records import RunInfo, SampleRecord
-    from torchinstruments_core.run_directory._layout import RunLayout
+    from torchinstruments_core._records import SampleRecord
+    from torchinstruments_core.run_directory._aggregate import RunAggregates
 
 logger = logging.getLogger(__name__)
 
-_LENGTH = struct.Struct("<Q")
 _STOP = object()
 _READY_SECONDS = 120.0
 """How long the process may take to start (import Polars and numpy) before the thread writes."""
 _EXIT_SECONDS = 30.0
 """How long a process that sent its report may take to exit before it is killed."""
-_NICENESS = 10
-"""Added to the writer process's niceness: its work can wait, the training step cannot."""
 _PIPE_BYTES = 1 << 20  # a pipe this large takes a few samples before a write waits (Linux)
 _PACKAGES = (
     "torchinstruments_core",
@@ -95,63 +92,9 @@ for name, folder in json.loads(sys.argv[2]).items():
     package = types.ModuleType(name)
     package.__path__ = [folder]
     sys.modules[name] = package
-from torchinstruments_core.run_directory._writer_process import serve
+from torchinstruments_core.run_directory._writer_child import serve
 serve(int(sys.argv[3]), int(sys.argv[4]))
 """
-
-
-def encode(sample: SampleRecord) -> bytes:
-    """A record as bytes for the writer process: its rows as their parts, never as rows."""
-    bare = dataclasses.replace(sample, rows=())
-    return pickle.dumps((bare, tuple(row_parts(sample.rows))), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def decode(payload: bytes) -> SampleRecord:
-    """The record ``encode`` made, with its rows as a ``SampleRows``."""
-    bare, parts = pickle.loads(payload)
-    record: SampleRecord = dataclasses.replace(bare, rows=SampleRows(parts))
-    return record
-
-
-def _message(message: object) -> bytes:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _LENGTH.pack(len(payload)) + payload
-
-
-def _send(stream: BinaryIO, message: object) -> None:
-    stream.write(_message(message))
-    stream.flush()
-
-
-def _write(pipe: int, data: bytes) -> None:
-    """Write all of ``data`` to ``pipe`` (the GIL released while the pipe is full)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(pipe, view) :]
-
-
-def _receive(stream: BinaryIO) -> Any:
-    """The next message, or ``None`` at the end of the pipe (a partial message included)."""
-    header = stream.read(_LENGTH.size)
-    if len(header) < _LENGTH.size:
-        return None
-    (length,) = _LENGTH.unpack(header)
-    payload = stream.read(length)
-    if len(payload) < length:
-        return None
-    return pickle.loads(payload)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class WriterSettings:
-    """What the writer process needs to open a run's writer."""
-
-    layout: RunLayout
-    run: RunInfo
-    chunk_rows: int
-    flush_seconds: float
-    queue_size: int
-    tensorboard: bool
 
 
 class ProcessWriter:
@@ -340,7 +283,7 @@ class ProcessWriter:
         watchdog.start()  # also while the catalog is written: a large one fills the pipe
         try:
             if pipe is not None:
-                _write(pipe, _message(("open", self._settings)))  # read once its imports are done
+                write_all(pipe, message(("open", self._settings)))  # read once its imports are done
             self._ready.wait()
         except OSError as error:  # it exited before it read a word (or was killed, not ready)
             self._ready.wait(timeout=_READY_SECONDS)  # the reader says why
@@ -356,11 +299,11 @@ class ProcessWriter:
             while True:
                 item = self._queue.get()
                 if item is _STOP:
-                    _write(pipe, _message(("finish",)))
+                    write_all(pipe, message(("finish",)))
                     break
                 sample, payload = cast("tuple[SampleRecord, bytes | None]", item)
                 data = encode(sample) if payload is None else payload
-                _write(pipe, _LENGTH.pack(len(data) + _SAMPLE_HEADER) + _SAMPLE + data)
+                write_all(pipe, sample_message(data))
                 del sample, payload, data, item
         except OSError as error:  # the process died
             self._reader.join(timeout=_EXIT_SECONDS)  # which says how (its exit status)
@@ -408,8 +351,8 @@ class ProcessWriter:
         stream = self._from_writer
         assert stream is not None
         try:
-            while self._done is None and (message := _receive(stream)) is not None:
-                self._take(message)
+            while self._done is None and (reply := receive(stream)) is not None:
+                self._take(reply)
         except (OSError, pickle.UnpicklingError, EOFError, ValueError, AttributeError) as error:
             self._failure = self._failure or cause(error)
         finally:
@@ -468,10 +411,6 @@ class ProcessWriter:
         self._drain()  # unblocks a training thread waiting for room
 
 
-_SAMPLE = pickle.dumps(("sample",), protocol=pickle.HIGHEST_PROTOCOL)
-_SAMPLE_HEADER = len(_SAMPLE)
-
-
 _open_writers: weakref.WeakSet[ProcessWriter] = weakref.WeakSet()
 
 
@@ -527,85 +466,3 @@ def _exit_status(process: subprocess.Popen[bytes] | None) -> str:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-code).name}"
     return f"exit code {code}"
-
-
-# -- the writer process ---------------------------------------------------------------------------
-
-
-def serve(read_fd: int, write_fd: int) -> None:
-    """The writer process: open the run's writer, take samples until told to finish."""
-    for number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(number, signal.SIG_IGN)
-    with contextlib.suppress(OSError, AttributeError):  # no nice on Windows
-        os.nice(_NICENESS)  # where the cores are busy, training and its reductions go first
-    incoming = open(read_fd, "rb")  # noqa: SIM115
-    outgoing = open(write_fd, "wb")  # noqa: SIM115
-    lock = threading.Lock()
-
-    def reply(message: object) -> None:
-        with lock:
-            _send(outgoing, message)
-
-    opening = _receive(incoming)
-    if opening is None:
-        return
-    settings: WriterSettings = opening[1]
-    try:
-        writer, histograms, aggregates = _open(settings, reply)
-    except Exception as error:
-        reply(("failed", cause(error)))
-        return
-    reply(("ready",))
-    finished = _take_samples(incoming, writer, reply)
-    report = writer.finish()
-    if histograms is not None:
-        try:
-            histograms.close()
-        except Exception as error:
-            report.losses.note(f"the TensorBoard histograms could not be closed ({cause(error)})")
-    if finished:
-        reply(("done", report, aggregates))
-
-
-def _open(
-    settings: WriterSettings, reply: Callable[[object], None]
-) -> tuple[ChunkWriter, TensorBoardHistograms | None, RunAggregates]:
-    histograms = (
-        TensorBoardHistograms(settings.layout.tensorboard, settings.run)
-        if settings.tensorboard
-        else None
-    )
-    aggregates = RunAggregates()
-    writer = ChunkWriter(
-        settings.layout,
-        chunk_rows=settings.chunk_rows,
-        flush_seconds=settings.flush_seconds,
-        queue_size=settings.queue_size,
-        on_sample=[histograms] if histograms is not None else [],
-        on_written=[aggregates.add],
-        on_chunk=lambda samples: reply(("written", samples)),
-    )
-    writer.start()
-    return writer, histograms, aggregates
-
-
-def _take_samples(incoming: BinaryIO, writer: ChunkWriter, reply: Callable[[object], None]) -> bool:
-    """Hand each sample to the writer; whether the training process asked to finish."""
-    while True:
-        header = incoming.read(_LENGTH.size)
-        if len(header) < _LENGTH.size:
-            return False  # the training process is gone: write what we hold and exit
-        (length,) = _LENGTH.unpack(header)
-        payload = incoming.read(length)
-        if len(payload) < length:
-            return False
-        if payload.startswith(_SAMPLE):
-            sample = decode(payload[_SAMPLE_HEADER:])
-            try:
-                writer.put(sample)
-            except OSError as error:
-                reply(("error", str(error)))
-            del sample
-            continue
-        if pickle.loads(payload)[0] == "finish":
-            return True

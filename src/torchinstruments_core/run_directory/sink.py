@@ -35,7 +35,8 @@ from torchinstruments_core.run_directory._result import write_result
 from torchinstruments_core.run_directory._state import RunStatus
 from torchinstruments_core.run_directory._tensorboard import TensorBoardHistograms
 from torchinstruments_core.run_directory._writer import ChunkWriter, WriterReport, cause
-from torchinstruments_core.run_directory._writer_process import ProcessWriter, WriterSettings
+from torchinstruments_core.run_directory._writer_pipe import WriterSettings
+from torchinstruments_core.run_directory._writer_process import ProcessWriter
 
 if TYPE_CHECKING:
     from torchinstruments_core._records import RunInfo, SampleRecord

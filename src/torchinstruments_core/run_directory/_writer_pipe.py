@@ -1,0 +1,96 @@
+"""What crosses the pipes between the training process and its writer process, and how.
+
+A message is an 8-byte little-endian length, then a pickle. To the writer: ``("open",
+settings)``, then ``("sample", record)`` for each sample, then ``("finish",)``. Back to the
+training process: ``("ready",)`` or ``("failed", why)``, ``("written", samples)`` for each
+chunk on disk, ``("error", message)`` for a failure to raise at the next ``put`` (a full disk),
+and at the end ``("done", report, aggregates)``.
+
+A sample's message is the pickle of ``("sample",)`` followed by the record's own pickle
+(``encode``): the training thread pickles each record once, and the writer process tells a
+sample from the other messages by that prefix, without unpickling a tuple around it. Both
+sides import this module; it imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import struct
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from torchinstruments_core._rows import SampleRows, row_parts
+
+if TYPE_CHECKING:
+    from torchinstruments_core._records import RunInfo, SampleRecord
+    from torchinstruments_core.run_directory._layout import RunLayout
+
+_LENGTH = struct.Struct("<Q")
+SAMPLE_TAG = pickle.dumps(("sample",), protocol=pickle.HIGHEST_PROTOCOL)
+"""What a sample's message starts with, before the record's own pickle."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WriterSettings:
+    """What the writer process needs to open a run's writer."""
+
+    layout: RunLayout
+    run: RunInfo
+    chunk_rows: int
+    flush_seconds: float
+    queue_size: int
+    tensorboard: bool
+
+
+def encode(sample: SampleRecord) -> bytes:
+    """A record as bytes for the writer process: its rows as their parts, never as rows."""
+    bare = dataclasses.replace(sample, rows=())
+    return pickle.dumps((bare, tuple(row_parts(sample.rows))), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(payload: bytes) -> SampleRecord:
+    """The record ``encode`` made, with its rows as a ``SampleRows``."""
+    bare, parts = pickle.loads(payload)
+    record: SampleRecord = dataclasses.replace(bare, rows=SampleRows(parts))
+    return record
+
+
+def message(content: object) -> bytes:
+    """``content`` framed: its length, then its pickle."""
+    payload = pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def sample_message(encoded: bytes) -> bytes:
+    """The framed message of a sample that ``encode`` made into ``encoded``."""
+    return _LENGTH.pack(len(SAMPLE_TAG) + len(encoded)) + SAMPLE_TAG + encoded
+
+
+def send(stream: BinaryIO, content: object) -> None:
+    """Frame ``content`` onto ``stream`` and flush it."""
+    stream.write(message(content))
+    stream.flush()
+
+
+def write_all(pipe: int, data: bytes) -> None:
+    """Write all of ``data`` to ``pipe`` (the GIL released while the pipe is full)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(pipe, view) :]
+
+
+def read_frame(stream: BinaryIO) -> bytes | None:
+    """The next message's bytes, or ``None`` at the end of the pipe (a partial message too)."""
+    header = stream.read(_LENGTH.size)
+    if len(header) < _LENGTH.size:
+        return None
+    (length,) = _LENGTH.unpack(header)
+    payload = stream.read(length)
+    return payload if len(payload) == length else None
+
+
+def receive(stream: BinaryIO) -> Any:
+    """The next message, unpickled, or ``None`` at the end of the pipe."""
+    frame = read_frame(stream)
+    return None if frame is None else pickle.loads(frame)
