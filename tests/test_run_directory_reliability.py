@@ -165,10 +165,10 @@ def test_a_dead_writer_never_blocks_training_and_every_sample_is_counted_lost(
 # -- 2. a full disk --------------------------------------------------------------------------
 
 
-def _wait_for_chunks(folder: pathlib.Path, count: int) -> None:
-    """Wait until ``count`` history chunks are on disk (the writer process starts in a second)."""
+def _wait_for_chunks(folder: pathlib.Path, count: int, kind: str = "history") -> None:
+    """Wait until ``count`` ``kind`` chunks are on disk (the writer process starts in a second)."""
     deadline = time.monotonic() + 60
-    while len(list((folder / "history.parts").glob("history*.parquet"))) < count:
+    while len(list((folder / "history.parts").glob(f"{kind}-*.parquet"))) < count:
         assert time.monotonic() < deadline, f"{count} chunks were not written within a minute"
         time.sleep(0.02)
 
@@ -400,7 +400,8 @@ def test_a_forked_child_never_touches_the_parents_run(tmp_path: pathlib.Path) ->
     sink = _sink(tmp_path / "run")
     observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
     _train(model, 3, pause=0.1)
-    time.sleep(0.3)
+    for kind in ("history", "samples"):  # every sample's chunk (one each), not a fixed sleep
+        _wait_for_chunks(tmp_path / "run", 3, kind)
     before = _snapshot(tmp_path / "run")
     record = SampleRecord("r", 0, 99, None, 0.0, True, 1.0, (), ())
     with warnings.catch_warnings():
