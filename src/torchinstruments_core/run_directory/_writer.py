@@ -109,7 +109,24 @@ class WriterReport:
     died: bool = False
 
 
-class ChunkWriter:
+class PendingError:
+    """An error a writer's own thread met (a full disk), raised once at the caller's next call.
+
+    A base for ``ChunkWriter`` and ``_writer_process.ProcessWriter``: each sets ``_error``
+    under ``_lock`` and calls ``_raise_pending`` where the training thread hands it a sample.
+    """
+
+    _lock: threading.Lock
+    _error: Exception | None
+
+    def _raise_pending(self) -> None:
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+class ChunkWriter(PendingError):
     """A daemon thread writing chunks of a run's history.
 
     Args:
@@ -188,12 +205,6 @@ class ChunkWriter:
 
     def _alive(self) -> bool:
         return not self._report.died and self._thread.is_alive()
-
-    def _raise_pending(self) -> None:
-        with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
 
     def _death_reason(self) -> str:
         return f"the writer thread of {self._layout.root} had stopped"

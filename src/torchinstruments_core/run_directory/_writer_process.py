@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, cast
 from torchinstruments_core.run_directory._writer import (
     ChunkWriter,
     Losses,
+    PendingError,
     WriterReport,
     cause,
     enqueue,
@@ -97,7 +98,7 @@ serve(int(sys.argv[3]), int(sys.argv[4]))
 """
 
 
-class ProcessWriter:
+class ProcessWriter(PendingError):
     """Hands samples to a writer process; the same calls as ``ChunkWriter``.
 
     Args:
@@ -255,12 +256,6 @@ class ProcessWriter:
     def _enqueue(self, item: object) -> bool:
         """Put ``item`` on the queue unless the process is dead; whether it was queued."""
         return enqueue(self._queue, item, lambda: not self._dead)
-
-    def _raise_pending(self) -> None:
-        with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
 
     def _death_reason(self) -> str:
         reason = self._failure or "it exited"
