@@ -10,6 +10,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import _extra_workloads
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -29,6 +30,8 @@ class WorkloadSpec:
     name: str
     description: str
     cuda_only: bool = False
+    extra: bool = False
+    """Not one of the targets' workloads (``_extra_workloads``): measured on request."""
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {
@@ -52,6 +55,10 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         "0.34 B parameters), batch 8, sequence 512, bf16 autocast, fused AdamW",
         cuda_only=True,
     ),
+    **{
+        name: WorkloadSpec(name, description, extra=True)
+        for name, description in _extra_workloads.DESCRIPTIONS.items()
+    },
 }
 
 
@@ -185,33 +192,36 @@ def _tokens(batch: int, length: int, vocab: int) -> list[tuple[torch.Tensor, tor
     return pool
 
 
-def _parts(name: str) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]], bool]:
-    """The model, the batches, and whether the loss is a language-model loss."""
+def _parts(
+    name: str,
+) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]:
+    """The model, the batches and the loss."""
     if name == "mlp":
-        return _mlp(), _features((128, 1, 28, 28), 10), False
+        return _mlp(), _features((128, 1, 28, 28), 10), _classification
     if name == "cnn":
-        return _cnn(), _features((32, 3, 32, 32), 10), False
+        return _cnn(), _features((32, 3, 32, 32), 10), _classification
     if name == "transformer":
         model: nn.Module = EncoderClassifier(width=256, heads=8, layers=4, ff=1024, classes=10)
-        return model, _features((32, 64, 256), 10), False
+        return model, _features((32, 64, 256), 10), _classification
     if name == "small-gpt":  # the size people debug on
         model = GPT(vocab=512, width=192, heads=4, layers=4, context=64)
-        return model, _tokens(8, 64, 512), True
+        return model, _tokens(8, 64, 512), _language_model
     if name == "gpt":
         model = GPT(vocab=32000, width=1024, heads=16, layers=24, context=512)
-        return model, _tokens(8, 512, 32000), True
+        return model, _tokens(8, 512, 32000), _language_model
+    if name in _extra_workloads.DESCRIPTIONS:
+        return _extra_workloads.parts(name, _features, _tokens)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 
 def build(name: str, device: torch.device) -> Workload:
     """Build workload ``name`` on ``device`` with the fixed seeds."""
     torch.manual_seed(MODEL_SEED)
-    model, batches, language_model = _parts(name)
+    model, batches, loss_fn = _parts(name)
     model = model.to(device).train()
     batches = [(x.to(device), y.to(device)) for x, y in batches]
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
-    loss_fn = _language_model if language_model else _classification
     return Workload(model, optimizer, batches, loss_fn, _autocast(name, device))
 
 

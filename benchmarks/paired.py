@@ -1,6 +1,6 @@
 """The overhead targets, measured step against step in one process: unsampled and sampled steps.
 
-    uv run python benchmarks/paired.py [--workload all|mlp|cnn|transformer|small-gpt]
+    uv run python benchmarks/paired.py [--workload all|extra|mlp|cnn|transformer|small-gpt|...]
         [--rounds 40] [--compile] [--exact-quartiles] [--sink run-directory|recording]
         [--device cpu|cuda] [--no-memory] [--optimizer] [--record-inputs] [--profile]
         [--background auto|on|off]
@@ -19,9 +19,11 @@ time (``time.perf_counter``): what the training loop waits, including any wait f
 (the reduction worker's; the run directory's writer runs in a process of its own, so what it
 costs the training thread is pickling each sample and sharing the cores).
 
-``--workload all`` (the default) measures every workload that runs on the device (on the CPU:
-MLP, CNN, the reference transformer and the small GPT), one after the other, and prints one
-table. With ``--compile`` both copies are ``torch.compile``d (inductor) and the observed one is
+``--workload all`` (the default) measures every workload of the targets that runs on the device
+(on the CPU: MLP, CNN, the reference transformer and the small GPT), one after the other, and
+prints one table; ``--workload extra`` measures the models of other shapes
+(``_extra_workloads``: a CIFAR ResNet-20, an LSTM, a Hugging Face GPT-2 with random weights and
+an MNIST-sized MLP) the same way. With ``--compile`` both copies are ``torch.compile``d (inductor) and the observed one is
 observed as ``inject_observer(torch.compile(model))``. With ``--device cuda`` every step ends
 with ``torch.cuda.synchronize()``, so a step's time includes its kernels, and memory comes from
 the CUDA allocator's own peak statistic.
@@ -88,6 +90,9 @@ CADENCE = 50
 """The adapters' default ``every_n_steps``: one sampled step in 50."""
 SAMPLED_TARGET = 1.25
 AMORTIZED_TARGET = 1.01
+GROUPS = ("all", "extra")
+"""``--workload`` choices naming several workloads: the targets' four (five on CUDA), or the
+extra ones of other shapes (``_extra_workloads``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,15 +286,21 @@ def _print_table(
 
 
 def _workloads(name: str, device: str) -> list[str]:
-    if name != "all":
+    """``all``: the targets' workloads that run on ``device``; ``extra``: the others."""
+    if name not in GROUPS:
         return [name]
-    return [w for w, spec in WORKLOADS.items() if device == "cuda" or not spec.cuda_only]
+    extra = name == "extra"
+    return [
+        w
+        for w, spec in WORKLOADS.items()
+        if spec.extra == extra and (device == "cuda" or not spec.cuda_only)
+    ]
 
 
 def parser() -> argparse.ArgumentParser:
     """The command line (a function, so that a flag is one more ``add_argument``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", default="all", choices=["all", *sorted(WORKLOADS)])
+    parser.add_argument("--workload", default="all", choices=[*GROUPS, *sorted(WORKLOADS)])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
@@ -327,7 +338,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         arguments.error("--device cuda: CUDA is not available on this machine")
-    if args.workload != "all" and WORKLOADS[args.workload].cuda_only and args.device != "cuda":
+    if args.workload not in GROUPS and WORKLOADS[args.workload].cuda_only and args.device != "cuda":
         arguments.error(f"--workload {args.workload}: needs --device cuda (a GPU)")
     device = torch.device(args.device)
     results: list[WorkloadResult] = []
