@@ -2,8 +2,7 @@
 
 Started by ``_writer_process.ProcessWriter`` with ``python -c``; it imports no torch (nor the
 engine), only this package's writing modules. It ignores SIGINT and SIGTERM (the training
-process closes the run), runs at a niceness ``NICENESS`` above the training process's (and,
-once it is ready, under Linux's ``SCHED_IDLE``: see ``idle_priority``), and
+process closes the run), runs at a niceness ``NICENESS`` above the training process's, and
 when its pipe closes without a ``finish`` (the training process died) it writes what it holds
 as a last chunk and exits, leaving the run to ``repair``.
 """
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pathlib
 import pickle
 import signal
 import threading
@@ -61,7 +59,6 @@ def serve(read_fd: int, write_fd: int) -> None:
     except Exception as error:
         reply(("failed", cause(error)))
         return
-    idle_priority()
     reply(("ready",))
     finished = _take_samples(incoming, writer, reply)
     report = writer.finish()
@@ -72,29 +69,6 @@ def serve(read_fd: int, write_fd: int) -> None:
             report.losses.note(f"the TensorBoard histograms could not be closed ({cause(error)})")
     if finished:
         reply(("done", report, aggregates))
-
-
-def idle_priority() -> bool:
-    """Run this process only on a core that nothing else wants (Linux ``SCHED_IDLE``).
-
-    Taken once the writer is set up, so that its start (importing Polars) is not held up on
-    busy cores, by each of its threads (the policy is a thread's; threads started later
-    inherit it). At a niceness of 10 the scheduler still gives the writer about a tenth of a
-    contended core, and a waking writer can preempt the training thread or the reduction
-    worker; under ``SCHED_IDLE`` a waking training thread preempts the writer at once, and the
-    writer waits for idle time. It cannot stall the run for good: a training thread that waits
-    for room in the writer's queue leaves its core idle. Returns whether every thread took it
-    (not where the platform has no such policy: the niceness stays).
-    """
-    tasks = pathlib.Path("/proc/self/task")
-    threads = [int(task.name) for task in tasks.iterdir()] if tasks.is_dir() else [0]
-    taken = True
-    for thread in threads:
-        try:
-            os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
-        except (OSError, AttributeError):  # macOS and Windows: no such policy; a thread gone
-            taken = False
-    return taken
 
 
 def _open(
