@@ -59,6 +59,8 @@ class DeliveryQueue:
 
     def drain(self, *, wait: bool) -> None:
         """Deliver the samples whose values have landed; with ``wait``, every queued sample."""
+        if not self._in_flight:  # nothing queued (every unsampled step): no lock
+            return
         with self._lock:
             if self._draining:
                 return  # a sink write re-entered the observer; the outer drain delivers

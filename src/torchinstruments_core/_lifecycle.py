@@ -337,8 +337,11 @@ class SampleLifecycle:
         """Remove the per-module hooks unless something still needs them.
 
         A forward in any thread, a sampled step (for its next micro-batch) or a checkpoint's
-        recomputation in the backward (see ``_recompute``) does.
+        recomputation in the backward (see ``_recompute``) does. Nothing armed, nothing to
+        remove: an unsampled step's ``begin_step`` and ``end_step`` take no lock here.
         """
+        if not self.attachment.armed:
+            return
         with self._lock:
             needed = (
                 bool(self._running)
@@ -353,10 +356,11 @@ class SampleLifecycle:
     def close_step(self, step: int) -> None:
         """Close the samples of trainer step ``step``; deliver those whose values landed."""
         self._close_released()
-        with self._lock:
-            ended = [s for s in self._pending.values() if s.step == step]
-        for sample in ended:
-            self._close(sample)
+        if self._pending:  # an unsampled step has none: no lock
+            with self._lock:
+                ended = [s for s in self._pending.values() if s.step == step]
+            for sample in ended:
+                self._close(sample)
         self._delivery.drain(wait=False)
 
     def flush(self) -> None:
