@@ -8,6 +8,7 @@ targets. Each is built like those (``_overhead_workloads.build``: fixed seeds, A
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,11 +22,11 @@ Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 DESCRIPTIONS = {
     "resnet20": "CIFAR ResNet-20 (3 stages of 3 basic blocks, 16/32/64 ch, in-place ReLU, "
-    "out += identity), 3x32x32, batch 32, AdamW",
+    "out += identity, torchvision's 1x1 projection shortcuts), 3x32x32, batch 32, AdamW",
     "lstm": "Embedding(1000, 128), 2-layer LSTM(256), Linear(256, 10) on the last step; batch 32, "
     "sequence 50, AdamW",
     "hf-gpt2": "Hugging Face GPT2LMHeadModel, random weights (4 layers, n_embd 256, 4 heads, "
-    "vocab 1000), batch 8, sequence 64, AdamW",
+    "vocab 1000, its default config otherwise: use_cache on), batch 8, sequence 64, AdamW",
     "mnist-mlp": "MLP 784-256-128-10, ReLU, batch 64, AdamW (the smallest: a 1-5 ms step)",
 }
 
@@ -56,7 +57,7 @@ class BasicBlock(nn.Module):
 
 
 class ResNet20(nn.Module):
-    """He et al.'s CIFAR ResNet-20."""
+    """He et al.'s CIFAR ResNet-20, with torchvision's 1x1 projection shortcuts."""
 
     def __init__(self, classes: int = 10) -> None:
         super().__init__()
@@ -90,6 +91,18 @@ class LSTMClassifier(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         hidden, _ = self.lstm(self.embed(tokens))  # output (tensor, (h, c)): a nested output
         return self.head(hidden[:, -1])
+
+
+REQUIRES = {"hf-gpt2": "transformers"}
+"""The package a workload needs beyond torch (the project's dev group installs it)."""
+
+
+def missing(name: str) -> str | None:
+    """The package workload ``name`` needs that is not installed, if any."""
+    package = REQUIRES.get(name)
+    if package is None or importlib.util.find_spec(package) is not None:
+        return None
+    return package
 
 
 def _classification(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The overhead targets, measured step against step in one process: unsampled and sampled steps.
 
-    uv run python benchmarks/paired.py [--workload all|extra|mlp|cnn|transformer|small-gpt|...]
+    uv run python benchmarks/paired.py [--workload all|extra|mlp|cnn|...]
         [--rounds 40] [--compile] [--exact-quartiles] [--sink run-directory|recording]
         [--device cpu|cuda] [--no-memory] [--optimizer] [--record-inputs] [--profile]
         [--background auto|on|off]
@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import _extra_workloads
 import torch
 from _overhead_workloads import WORKLOADS, Workload, build
 from _paired_memory import MemoryResult, largest_activation, measure_memory, print_memory
@@ -340,6 +341,10 @@ def main() -> None:
         arguments.error("--device cuda: CUDA is not available on this machine")
     if args.workload not in GROUPS and WORKLOADS[args.workload].cuda_only and args.device != "cuda":
         arguments.error(f"--workload {args.workload}: needs --device cuda (a GPU)")
+    for name in _workloads(args.workload, args.device):  # before any is measured
+        package = _extra_workloads.missing(name)
+        if package is not None:
+            arguments.error(f"--workload {name}: needs {package} (uv sync installs it)")
     device = torch.device(args.device)
     results: list[WorkloadResult] = []
     memory: dict[str, MemoryResult] = {}

@@ -174,6 +174,46 @@ def test_delivery_reentered_from_a_sink_write_keeps_the_order() -> None:
     assert sink.written == [0, 1, 2]
 
 
+def test_a_waiting_drain_returns_only_after_another_threads_write_of_the_last_sample() -> None:
+    """``drain(wait=True)`` (``flush``) waits for a sample another thread is writing.
+
+    That thread took the last sample off the queue before writing it: the queue looks empty,
+    and a drain that returned then would let ``remove`` close the sink during the write.
+    """
+    sink = _ListSink()
+    queue = _queue(sink)
+    writing, release = threading.Event(), threading.Event()
+
+    def slow_write() -> None:
+        writing.set()
+        assert release.wait(timeout=30)
+
+    sink.on_write = slow_write
+    queue.push(_Sample(0))  # type: ignore[arg-type]
+    other = threading.Thread(target=queue.drain, kwargs={"wait": False})
+    returned = threading.Event()
+
+    def flush() -> None:
+        queue.drain(wait=True)
+        returned.set()
+
+    waiting = threading.Thread(target=flush)
+    other.start()
+    try:
+        assert writing.wait(timeout=30)  # the other thread is inside the sink's write
+        waiting.start()
+        assert not returned.wait(timeout=0.5)  # held while the write goes on
+    finally:
+        release.set()
+        other.join(timeout=30)
+        if waiting.is_alive() or returned.is_set():
+            waiting.join(timeout=30)
+    assert returned.is_set()
+    assert sink.written == [0]
+    queue.drain(wait=False)  # nothing queued: returns at once
+    assert sink.written == [0]
+
+
 def _imported_modules(path: pathlib.Path) -> set[str]:
     modules: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):

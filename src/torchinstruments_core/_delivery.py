@@ -59,7 +59,9 @@ class DeliveryQueue:
 
     def drain(self, *, wait: bool) -> None:
         """Deliver the samples whose values have landed; with ``wait``, every queued sample."""
-        if not self._in_flight:  # nothing queued (every unsampled step): no lock
+        # nothing queued (every unsampled step): no lock. Not when waiting: another thread may
+        # have taken the last sample off the queue and be writing it, under the lock.
+        if not wait and not self._in_flight:
             return
         with self._lock:
             if self._draining:
