@@ -6,7 +6,7 @@ import json
 import pathlib
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
@@ -27,6 +27,9 @@ from torchinstruments_core._exceptions import RunDirectoryExistsError
 from torchinstruments_core._signals import Signal
 from torchinstruments_core.reducers import DEFAULT_METRICS
 from torchinstruments_core.run_directory import QUERIES, QUERY_PRELUDE, RunDirectorySink
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 class Net(nn.Module):
@@ -51,6 +54,17 @@ def _train_slowly(model: nn.Module, *, steps: int) -> None:
     for _ in range(steps):
         _train(model, 1)
         time.sleep(0.02)
+
+
+def _train_until(model: nn.Module, done: Callable[[], bool], *, seconds: float = 60) -> None:
+    """Train slowly until ``done()``, at most ``seconds``.
+
+    For what the background writer reports: its process may still be starting (importing
+    Polars takes over a second on a slow machine), and samples wait for it meanwhile.
+    """
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        _train_slowly(model, steps=1)
 
 
 def _strict_json(path: pathlib.Path) -> dict[str, Any]:
@@ -258,8 +272,8 @@ def test_vanished_folder_under_warn_keeps_training(tmp_path: pathlib.Path) -> No
     observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
     _train(model, 1)
     (tmp_path / "run").rename(tmp_path / "gone")  # the folder vanishes from under the writer
-    with pytest.warns(ObservationWarning, match=r"samples? .* were not written"):
-        _train_slowly(model, steps=50)
+    with pytest.warns(ObservationWarning, match=r"samples? .* were not written") as caught:
+        _train_until(model, lambda: any("were not written" in str(w.message) for w in caught))
     with pytest.warns(ObservationWarning, match="could not close"):
         observer.remove()
 
