@@ -9,6 +9,7 @@ targets. Each is built like those (``_overhead_workloads.build``: fixed seeds, A
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -105,6 +106,16 @@ def missing(name: str) -> str | None:
     return package
 
 
+def mlp(widths: tuple[int, ...], activation: Callable[[], nn.Module]) -> nn.Sequential:
+    """``Flatten``, then a ``Linear`` per pair of widths, ``activation`` between them."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    for index, (width_in, width_out) in enumerate(itertools.pairwise(widths)):
+        if index:
+            layers.append(activation())
+        layers.append(nn.Linear(width_in, width_out))
+    return nn.Sequential(*layers)
+
+
 def _classification(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(x), y)
 
@@ -138,13 +149,5 @@ def parts(
     if name == "hf-gpt2":  # GPT2LMHeadModel shifts the labels itself
         return _gpt2(), [(x, x) for x, _ in tokens(8, 64, 1000)], _hugging_face
     if name == "mnist-mlp":
-        model = nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(784, 256),
-            nn.ReLU(),
-            nn.Linear(256, 128),
-            nn.ReLU(),
-            nn.Linear(128, 10),
-        )
-        return model, features((64, 1, 28, 28), 10), _classification
+        return mlp((784, 256, 128, 10), nn.ReLU), features((64, 1, 28, 28), 10), _classification
     raise ValueError(f"unknown extra workload {name!r}; choose from {', '.join(DESCRIPTIONS)}")

@@ -139,16 +139,7 @@ def _language_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch
 
 
 def _mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(784, 1024),
-        nn.GELU(),
-        nn.Linear(1024, 1024),
-        nn.GELU(),
-        nn.Linear(1024, 1024),
-        nn.GELU(),
-        nn.Linear(1024, 10),
-    )
+    return _extra_workloads.mlp((784, 1024, 1024, 1024, 10), nn.GELU)
 
 
 def _conv_block(channels_in: int, channels_out: int) -> list[nn.Module]:
