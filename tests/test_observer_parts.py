@@ -199,15 +199,14 @@ def test_a_waiting_drain_returns_only_after_another_threads_write_of_the_last_sa
 
     waiting = threading.Thread(target=flush)
     other.start()
+    assert writing.wait(timeout=30)  # the other thread is inside the sink's write
+    waiting.start()
     try:
-        assert writing.wait(timeout=30)  # the other thread is inside the sink's write
-        waiting.start()
         assert not returned.wait(timeout=0.5)  # held while the write goes on
-    finally:
+    finally:  # no thread outlives the test, pass or fail
         release.set()
         other.join(timeout=30)
-        if waiting.is_alive() or returned.is_set():
-            waiting.join(timeout=30)
+        waiting.join(timeout=30)
     assert returned.is_set()
     assert sink.written == [0]
     queue.drain(wait=False)  # nothing queued: returns at once
