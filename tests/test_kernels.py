@@ -34,6 +34,7 @@ from torchinstruments_core.reducers import (
 from torchinstruments_core.reducers._fused import FusedReductions
 from torchinstruments_core.reducers._host import _blocked_summary, summarize
 from torchinstruments_core.reducers._host_binning import host_grid
+from torchinstruments_core.reducers.functional import DEFAULT_QUANTILES, quantile_plan
 
 pytestmark = pytest.mark.skipif(_native.KERNELS is None, reason="the kernels are not built here")
 
@@ -235,6 +236,8 @@ def _tensors() -> list[torch.Tensor]:
         torch.randn(30_000, dtype=torch.float64, generator=generator),
         torch.full((5000,), 3.0),  # constant: the grid widens
         torch.randn(20_000, generator=generator) * 1e-3 + 40.0,  # mean large against spread
+        # the median's neighbours span more than float32 holds: the lerp halves them
+        torch.tensor([-3e38, 3e38] * 100),
     ]
 
 
@@ -369,6 +372,44 @@ def test_a_view_at_an_odd_byte_offset_is_left_to_numpy() -> None:
         assert one.tolist() == pytest.approx(other.tolist(), rel=1e-6)
 
 
+def test_the_drawn_positions_are_numpys_in_range_and_uniform(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernels' draws equal numpy's (the same quartiles with and without the kernels).
+
+    Every position is in ``[0, numel)``, near the top of a range too large for a float's
+    product to stay below it, and a million draws over ten positions fill each within six
+    standard deviations of its share.
+    """
+    cases = [(12_345, 16_384, 8192), (2**62 - 1, 7, 10_000), (0, 1, 5), (99, 2**53 - 3, 1000)]
+    drawn = [_native.draw_positions(*case) for case in cases]
+    monkeypatch.setattr(_native, "KERNELS", None)
+    assert all(
+        torch.equal(one, _native.draw_positions(*case))
+        for one, case in zip(drawn, cases, strict=True)
+    )
+    for (_, numel, size), positions in zip(cases, drawn, strict=True):
+        assert positions.dtype == torch.int64
+        assert positions.shape == (size,)
+        assert 0 <= int(positions.min()) <= int(positions.max()) < numel
+    monkeypatch.undo()
+    counts = torch.bincount(_native.draw_positions(1, 10, 1_000_000), minlength=10)
+    assert counts.numel() == 10
+    assert (counts - 100_000).abs().max() < 6 * math.sqrt(100_000 * 0.9)
+    assert not torch.equal(_native.draw_positions(1, 10, 50), _native.draw_positions(2, 10, 50))
+
+
+def test_a_cpu_subsample_comes_from_one_seed_of_the_private_generator() -> None:
+    """``random_index`` on the CPU takes one draw of its generator and the positions from it."""
+    generator = torch.Generator().manual_seed(4)
+    index = PreparedTensor(torch.randn(50_000), generator).random_index(1000)
+    seed = int(torch.randint(2**62, (), generator=torch.Generator().manual_seed(4)))
+    assert torch.equal(index, _native.draw_positions(seed, 50_000, 1000))
+    after = torch.Generator().manual_seed(4)
+    torch.randint(2**62, (), generator=after)
+    assert torch.equal(generator.get_state(), after.get_state())
+
+
 def test_the_kernels_refuse_sizes_out_of_range() -> None:
     """A histogram of no bins or a negative subsample raises, instead of writing anywhere."""
     assert _native.KERNELS is not None
@@ -377,6 +418,18 @@ def test_the_kernels_refuse_sizes_out_of_range() -> None:
         _native.histogram(values, -1.0, 1.0, 0)
     with pytest.raises(ValueError, match="out of range"):
         _native.reduce(values, None, -1, np.empty(0, dtype=np.int64), 0)
+    kernels = _native.KERNELS
+    with pytest.raises(ValueError, match="out of range"):
+        kernels.draw(1, 0, 5, torch.empty(5, dtype=torch.int64).data_ptr())
+    plan = quantile_plan(10, DEFAULT_QUANTILES)
+    numbers = np.empty(5 + plan.ranks.size + 4)
+    short = np.empty(_native.MOMENTS + 3 + 7 + 3, dtype=np.float32)  # 7 bins pack into 11
+    with pytest.raises(ValueError, match="values holds 88 bytes, not 92"):
+        kernels.profile(values.data_ptr(), 10, 0, 0, 10, plan.ranks, plan.table, 7, numbers, short)
+    with pytest.raises(ValueError, match="numbers"):
+        kernels.profile(
+            values.data_ptr(), 10, 0, 0, 10, plan.ranks, plan.table, 7, numbers[1:], short
+        )
 
 
 def _gpt2_run(folder: pathlib.Path) -> None:

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
+import torch
 
 from torchinstruments_core.reducers import _native
 from torchinstruments_core.reducers._host import HostSummary, host_values
-from torchinstruments_core.reducers._host_binning import pack_histogram
 from torchinstruments_core.reducers.base import CHUNK_SIZE
 from torchinstruments_core.reducers.functional import (
     DEFAULT_QUANTILES,
@@ -36,11 +35,7 @@ from torchinstruments_core.reducers.quantiles import QuantileReducer
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    import torch
-
     from torchinstruments_core.reducers.base import PreparedTensor, Reducer
-
-_NO_RANKS = np.empty(0, dtype=np.int64)
 
 
 class Fused(NamedTuple):
@@ -62,6 +57,7 @@ class FusedReductions:
         self._reducers = tuple(reducers)
         quantiles = [r for r in self._reducers if isinstance(r, QuantileReducer)]
         self._quantiles = quantiles[0] if quantiles else None
+        self._moments = any(isinstance(r, MomentsReducer) for r in self._reducers)
         self._bins = histogram.bins
 
     @classmethod
@@ -99,26 +95,31 @@ class FusedReductions:
             size = numel if quantiles.exact else subsample_size(numel, quantiles.sample_size)
             index = None if size == numel else prepared.random_index(size)
             plan = quantile_plan(size, DEFAULT_QUANTILES)
-        ranks = _NO_RANKS if plan is None else plan.ranks
         bins = self._bins if with_histogram else 0
-        reduced = _native.reduce(values, index, size, ranks, bins)
-        if reduced.status != _native.STATUS_OK:
+        profiled = _native.profile(values, index, size, plan, bins)
+        if profiled.status not in (_native.STATUS_OK, _native.STATUS_MOMENTS_ON_HOST):
             return None
-        summary = HostSummary(reduced.total, reduced.squares, reduced.lo, reduced.hi, reduced.zeros)
+        out = profiled.values
+        moments: torch.Tensor | None = None
+        if profiled.status == _native.STATUS_MOMENTS_ON_HOST and self._moments:
+            found = host_moment_values(
+                HostSummary(
+                    profiled.total, profiled.squares, profiled.lo, profiled.hi, profiled.zeros
+                ),
+                numel,
+                dtype,
+                lambda shift: shifted_squares(prepared, shift, CHUNK_SIZE),
+            )
+            if found is None:  # squares that need scaling: the reducers scale them
+                return None
+            moments = host_values(found, dtype)
+        first = _native.MOMENTS
+        last = first + (0 if plan is None else len(plan.levels))
         results = []
         for reducer in self._reducers:
-            if plan is not None and isinstance(reducer, QuantileReducer):
-                results.append(host_values(plan.interpolate(reduced.ordered, dtype), dtype))
-                continue
-            moments = host_moment_values(
-                summary, numel, dtype, lambda shift: shifted_squares(prepared, shift, CHUNK_SIZE)
-            )
-            if moments is None:  # squares that need scaling: the reducers scale them
-                return None
-            results.append(host_values(moments, dtype))
-        histogram = None
-        if bins:
-            assert reduced.counts is not None, "the kernels count the bins they are asked for"
-            lo, hi, _, scale = reduced.grid
-            histogram = pack_histogram((lo, hi, scale), reduced.counts, bins, dtype)
+            if isinstance(reducer, QuantileReducer):
+                results.append(torch.from_numpy(out[first:last]))
+            else:
+                results.append(torch.from_numpy(out[:first]) if moments is None else moments)
+        histogram = torch.from_numpy(out[last:]) if bins else None
         return Fused(results, histogram)

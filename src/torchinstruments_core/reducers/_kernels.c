@@ -290,8 +290,12 @@ DEFINE_RADIX(radix_u64, uint64_t, 64)
             int64_t size = filled[digit] - places[digit];                                      \
             K* bucket = bucketed + places[digit];                                              \
             if (size > 1 && (r == 0 || ranks[r - 1] < starts[digit])) { /* sort it once */     \
-                K* sorted = RADIX_SORT(bucket, scratch, size, sorting);                        \
-                if (sorted != bucket) memcpy(bucket, sorted, (size_t)size * sizeof(K));        \
+                int same = 1; /* a ReLU's zeros: one key, sorted already */                    \
+                for (int64_t i = 1; i < size; i++) same &= bucket[i] == bucket[0];             \
+                if (!same) {                                                                   \
+                    K* sorted = RADIX_SORT(bucket, scratch, size, sorting);                    \
+                    if (sorted != bucket) memcpy(bucket, sorted, (size_t)size * sizeof(K));    \
+                }                                                                              \
             }                                                                                  \
             out[r] = (double)FLOAT(bucket[ranks[r] - starts[digit]]);                          \
         }                                                                                      \
@@ -418,6 +422,30 @@ static uint32_t crc32c(const unsigned char* data, Py_ssize_t size) {
     return r ^ 0xFFFFFFFFu;
 }
 
+/* ---- the quartiles' subsample positions: reducers/_native.py, draw_positions ---------------- */
+
+#define GOLDEN_GAMMA 0x9E3779B97F4A7C15ull
+
+/* SplitMix64 of a counter: the ``i``-th output of the stream ``seed`` (Steele, Lea and Flood). */
+static uint64_t splitmix64(uint64_t seed, uint64_t i) {
+    uint64_t z = seed + (i + 1) * GOLDEN_GAMMA;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* ``size`` positions in [0, numel): the top 53 bits of each output as a double in [0, 1), times
+   ``numel``, truncated (numpy computes the same with the same operations where there are no
+   kernels). Uniform to within numel / 2**53 of each position's share. */
+static void positions(uint64_t seed, int64_t numel, int64_t size, int64_t* out) {
+    const double n = (double)numel;
+    for (int64_t i = 0; i < size; i++) {
+        double u = (double)(splitmix64(seed, (uint64_t)i) >> 11) * 0x1p-53;
+        int64_t position = (int64_t)(u * n);
+        out[i] = position < numel ? position : numel - 1;
+    }
+}
+
 /* ---- the Python functions ------------------------------------------------------------------ */
 
 static int as_int64(PyObject* value, int64_t* out) {
@@ -436,6 +464,45 @@ static int check_args(Py_ssize_t nargs, Py_ssize_t expected, const char* name) {
     if (nargs == expected) return 0;
     PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, expected, nargs);
     return -1;
+}
+
+/* The passes of ``reduce`` into ``out`` and ``counts`` (see there), with the GIL released. */
+static int reduce_into(const void* data, int64_t n, int64_t dtype, const void* index, int64_t m,
+                       const int64_t* ranks, int64_t count, int64_t bins, uint32_t* lanes,
+                       double* out, int64_t* counts, int* failed) {
+    int status = STATUS_OK;
+    Summary s;
+    if (dtype == DTYPE_FLOAT32)
+        summary_f32((const float*)data, n, &s);
+    else
+        summary_f64((const double*)data, n, &s);
+    out[0] = s.total;
+    out[1] = s.squares;
+    out[2] = s.lo;
+    out[3] = s.hi;
+    out[4] = s.zeros;
+    if (!isfinite(s.total) || !isfinite(s.squares)) return STATUS_NONFINITE;
+    if (m > 0) {
+        double* found = out + 5;
+        *failed = dtype == DTYPE_FLOAT32
+                      ? order_f32((const float*)data, (const int64_t*)index, m, ranks, count, found)
+                      : order_f64((const double*)data, (const int64_t*)index, m, ranks, count,
+                                  found);
+    }
+    if (!*failed && bins > 0) {
+        double* grid = out + 5 + count;
+        memset(counts, 0, sizeof(int64_t) * (size_t)(bins + 1));
+        if (dtype == DTYPE_FLOAT32) {
+            grid_f32((float)s.lo, (float)s.hi, (int32_t)bins, grid);
+            status = bins_f32((const float*)data, n, (float)grid[2], (float)grid[3], (int32_t)bins,
+                              lanes, counts);
+        } else {
+            grid_f64(s.lo, s.hi, (int32_t)bins, grid);
+            status =
+                bins_f64((const double*)data, n, grid[2], grid[3], (int32_t)bins, lanes, counts);
+        }
+    }
+    return status;
 }
 
 /* reduce(data, n, dtype, index, m, ranks, count, bins, out, counts) -> status
@@ -460,52 +527,177 @@ static PyObject* reduce(PyObject* module, PyObject* const* args, Py_ssize_t narg
         PyErr_SetString(PyExc_ValueError, "reduce: a size is out of range");
         return NULL;
     }
-    double* out = (double*)out_pointer;
-    int64_t* counts = (int64_t*)counts_pointer;
     uint32_t* lanes = NULL;
     if (bins > 0) {
         lanes = (uint32_t*)calloc((size_t)BIN_LANES * (size_t)(bins + 1), sizeof(uint32_t));
         if (lanes == NULL) return PyErr_NoMemory();
     }
-    int status = STATUS_OK, failed = 0;
+    int status, failed = 0;
     Py_BEGIN_ALLOW_THREADS
-    Summary s;
-    if (dtype == DTYPE_FLOAT32)
-        summary_f32((const float*)data, n, &s);
-    else
-        summary_f64((const double*)data, n, &s);
-    out[0] = s.total;
-    out[1] = s.squares;
-    out[2] = s.lo;
-    out[3] = s.hi;
-    out[4] = s.zeros;
-    if (!isfinite(s.total) || !isfinite(s.squares)) {
-        status = STATUS_NONFINITE;
-    } else {
-        if (m > 0) {
-            double* found = out + 5;
-            failed = dtype == DTYPE_FLOAT32
-                         ? order_f32((const float*)data, (const int64_t*)index, m,
-                                     (const int64_t*)ranks, count, found)
-                         : order_f64((const double*)data, (const int64_t*)index, m,
-                                     (const int64_t*)ranks, count, found);
-        }
-        if (!failed && bins > 0) {
-            double* grid = out + 5 + count;
-            memset(counts, 0, sizeof(int64_t) * (size_t)(bins + 1));
-            if (dtype == DTYPE_FLOAT32) {
-                grid_f32((float)s.lo, (float)s.hi, (int32_t)bins, grid);
-                status = bins_f32((const float*)data, n, (float)grid[2], (float)grid[3],
-                                  (int32_t)bins, lanes, counts);
-            } else {
-                grid_f64(s.lo, s.hi, (int32_t)bins, grid);
-                status =
-                    bins_f64((const double*)data, n, grid[2], grid[3], (int32_t)bins, lanes, counts);
-            }
-        }
-    }
+    status = reduce_into(data, n, dtype, index, m, (const int64_t*)ranks, count, bins, lanes,
+                         (double*)out_pointer, (int64_t*)counts_pointer, &failed);
     Py_END_ALLOW_THREADS
     free(lanes);
+    if (failed) return PyErr_NoMemory();
+    return PyLong_FromLong(status);
+}
+
+/* ---- the default profile's values from ``reduce``'s: reducers/_fused.py, in the working dtype */
+
+enum { STATUS_MOMENTS_ON_HOST = 4 };
+#define MOMENTS 9
+
+/* From the summary (``numbers``: total, squares, lo, hi, zeros), the order statistics after it
+   and the grid after them, the values the reducers give, rounded to T: ``moments``' nine (as
+   ``functional.host_moment_values``), the quantiles (as ``QuantilePlan.interpolate``: a level is
+   its weight and the places of its low and high entry among the order statistics) and the packed
+   histogram (as ``_host_binning.pack_histogram``). Returns STATUS_MOMENTS_ON_HOST, moments left
+   unwritten, where ``host_moment_values`` would scale the squares or make a second pass. */
+#define DEFINE_FINISH(NAME, T, MIN_NORMAL, EPS, MAX)                                           \
+    static int NAME(const double* numbers, int64_t n, int64_t count, const double* levels,     \
+                    int64_t nlevels, int64_t bins, const int64_t* counts, T* values) {         \
+        const double total = numbers[0], squares = numbers[1], lo = numbers[2];                \
+        const double hi = numbers[3], zeros = numbers[4], count_n = (double)n;                 \
+        int status = STATUS_OK;                                                                \
+        double max_abs = fabs(lo) >= fabs(hi) ? fabs(lo) : fabs(hi);                           \
+        double low = sqrt((double)(MIN_NORMAL) / (double)(EPS));                               \
+        double high = sqrt((double)(MAX) / (4.0 * count_n));                                   \
+        double mean = total / count_n;                                                         \
+        double m2 = squares - total * mean;                                                    \
+        if (!(max_abs == 0.0 || (low <= max_abs && max_abs < high)) ||                         \
+            !(isfinite(m2) && m2 > 0.0 && mean * mean * count_n <= 4.0 * m2)) {                \
+            status = STATUS_MOMENTS_ON_HOST;                                                   \
+        } else {                                                                               \
+            double variance = m2 / count_n;                                                    \
+            values[0] = (T)mean;                                                               \
+            values[1] = (T)sqrt(variance);                                                     \
+            values[2] = (T)lo;                                                                 \
+            values[3] = (T)hi;                                                                 \
+            values[4] = (T)(zeros / count_n);                                                  \
+            values[5] = (T)0;                                                                  \
+            values[6] = (T)sqrt(variance + mean * mean);                                       \
+            values[7] = (T)max_abs;                                                            \
+            values[8] = (T)sqrt(squares);                                                      \
+        }                                                                                      \
+        const double* ordered = numbers + 5;                                                   \
+        T* quantiles = values + MOMENTS;                                                       \
+        for (int64_t level = 0; level < nlevels; level++) {                                    \
+            T gamma = (T)levels[3 * level];                                                    \
+            T below = (T)ordered[(int64_t)levels[3 * level + 1]];                              \
+            T above = (T)ordered[(int64_t)levels[3 * level + 2]];                              \
+            T span = above - below;                                                            \
+            if (!isfinite(span)) { /* halves, as numpy's lerp where the span overflows */      \
+                T half_below = below * (T)0.5, half_above = above * (T)0.5;                    \
+                T half = half_below + (half_above - half_below) * gamma;                       \
+                half = half_below > half ? half_below : half;                                  \
+                half = half_above < half ? half_above : half;                                  \
+                quantiles[level] = half * (T)2;                                                \
+            } else if (gamma >= (T)0.5) {                                                      \
+                quantiles[level] = above - span * ((T)1 - gamma);                              \
+            } else {                                                                           \
+                quantiles[level] = below + span * gamma;                                       \
+            }                                                                                  \
+        }                                                                                      \
+        if (bins > 0) {                                                                        \
+            const double* grid = numbers + 5 + count;                                          \
+            T* packed = quantiles + nlevels;                                                   \
+            packed[0] = (T)grid[0];                                                            \
+            packed[1] = (T)grid[1];                                                            \
+            packed[2] = (T)grid[3];                                                            \
+            for (int64_t b = 0; b + 1 < bins; b++) packed[3 + b] = (T)counts[b];               \
+            packed[2 + bins] = (T)(counts[bins - 1] + counts[bins]);                           \
+            packed[3 + bins] = (T)0;                                                           \
+        }                                                                                      \
+        return status;                                                                         \
+    }
+
+DEFINE_FINISH(finish_f32, float, FLT_MIN, FLT_EPSILON, FLT_MAX)
+DEFINE_FINISH(finish_f64, double, DBL_MIN, DBL_EPSILON, DBL_MAX)
+
+/* A writable (or readable) contiguous buffer of at least ``bytes`` bytes, or an error. */
+static int get_buffer(PyObject* object, Py_buffer* view, Py_ssize_t bytes, int writable,
+                      const char* what) {
+    if (PyObject_GetBuffer(object, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) != 0) return -1;
+    if (view->len < bytes) {
+        PyErr_Format(PyExc_ValueError, "profile: %s holds %zd bytes, not %zd", what, view->len,
+                     bytes);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* profile(data, n, dtype, index, m, ranks, levels, bins, numbers, values) -> status
+ *
+ * ``reduce``, then the values of the default profile (``finish_*``): ``ranks`` (int64) and
+ * ``levels`` (float64, three per level) are buffers whose sizes give the counts; ``numbers``
+ * (float64) receives what ``reduce`` puts in its ``out``, ``values`` (the working dtype) the nine
+ * moments, the quantiles and, with ``bins``, the packed histogram. Status as ``reduce``'s, or
+ * STATUS_MOMENTS_ON_HOST (the rest written); one call, with the GIL released once.
+ */
+static PyObject* profile(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    void *data, *index;
+    int64_t n, dtype, m, bins;
+    if (check_args(nargs, 10, "profile") || as_pointer(args[0], &data) ||
+        as_int64(args[1], &n) || as_int64(args[2], &dtype) || as_pointer(args[3], &index) ||
+        as_int64(args[4], &m) || as_int64(args[7], &bins))
+        return NULL;
+    if (bins < 0 || bins > INT32_MAX - 1 || m < 0 || n < 1 ||
+        (dtype != DTYPE_FLOAT32 && dtype != DTYPE_FLOAT64)) {
+        PyErr_SetString(PyExc_ValueError, "profile: a size is out of range");
+        return NULL;
+    }
+    Py_buffer ranks, levels, numbers, values;
+    if (get_buffer(args[5], &ranks, 0, 0, "ranks")) return NULL;
+    int64_t count = m > 0 ? (int64_t)(ranks.len / (Py_ssize_t)sizeof(int64_t)) : 0;
+    if (get_buffer(args[6], &levels, 0, 0, "levels")) {
+        PyBuffer_Release(&ranks);
+        return NULL;
+    }
+    int64_t nlevels = m > 0 ? (int64_t)(levels.len / (Py_ssize_t)(3 * sizeof(double))) : 0;
+    Py_ssize_t itemsize = dtype == DTYPE_FLOAT32 ? sizeof(float) : sizeof(double);
+    Py_ssize_t needed = (Py_ssize_t)(MOMENTS + nlevels + (bins > 0 ? bins + 4 : 0)) * itemsize;
+    if (get_buffer(args[8], &numbers, (Py_ssize_t)(5 + count + 4) * (Py_ssize_t)sizeof(double), 1,
+                   "numbers")) {
+        PyBuffer_Release(&levels);
+        PyBuffer_Release(&ranks);
+        return NULL;
+    }
+    if (get_buffer(args[9], &values, needed, 1, "values")) {
+        PyBuffer_Release(&numbers);
+        PyBuffer_Release(&levels);
+        PyBuffer_Release(&ranks);
+        return NULL;
+    }
+    uint32_t* lanes = NULL;
+    int64_t* counts = NULL;
+    if (bins > 0) {
+        lanes = (uint32_t*)calloc((size_t)BIN_LANES * (size_t)(bins + 1), sizeof(uint32_t));
+        counts = (int64_t*)malloc(sizeof(int64_t) * (size_t)(bins + 1));
+    }
+    int status = STATUS_OK, failed = bins > 0 && (lanes == NULL || counts == NULL);
+    if (!failed) {
+        Py_BEGIN_ALLOW_THREADS
+        status = reduce_into(data, n, dtype, index, m, (const int64_t*)ranks.buf, count, bins,
+                             lanes, (double*)numbers.buf, counts, &failed);
+        if (!failed && status == STATUS_OK) {
+            status = dtype == DTYPE_FLOAT32
+                         ? finish_f32((const double*)numbers.buf, n, count,
+                                      (const double*)levels.buf, nlevels, bins, counts,
+                                      (float*)values.buf)
+                         : finish_f64((const double*)numbers.buf, n, count,
+                                      (const double*)levels.buf, nlevels, bins, counts,
+                                      (double*)values.buf);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    free(counts);
+    free(lanes);
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&numbers);
+    PyBuffer_Release(&levels);
+    PyBuffer_Release(&ranks);
     if (failed) return PyErr_NoMemory();
     return PyLong_FromLong(status);
 }
@@ -587,6 +779,26 @@ static PyObject* edges(PyObject* module, PyObject* const* args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
+/* draw(seed, numel, size, out): ``positions`` into ``out`` (int64, ``size`` of them). */
+static PyObject* draw(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    void* out;
+    int64_t numel, size;
+    if (check_args(nargs, 4, "draw") || as_int64(args[1], &numel) || as_int64(args[2], &size) ||
+        as_pointer(args[3], &out))
+        return NULL;
+    unsigned long long seed = PyLong_AsUnsignedLongLong(args[0]);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (numel < 1 || size < 0) {
+        PyErr_SetString(PyExc_ValueError, "draw: a size is out of range");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    positions((uint64_t)seed, numel, size, (int64_t*)out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* crc32c(data) -> int: the CRC-32C of a bytes-like object. */
 static PyObject* crc32c_of(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
     (void)module;
@@ -604,12 +816,16 @@ static PyObject* crc32c_of(PyObject* module, PyObject* const* args, Py_ssize_t n
 static PyMethodDef methods[] = {
     {"reduce", (PyCFunction)(void (*)(void))reduce, METH_FASTCALL,
      "Sums, extremes, zeros, order statistics and histogram of one tensor."},
+    {"profile", (PyCFunction)(void (*)(void))profile, METH_FASTCALL,
+     "reduce, then the default profile's values in the working dtype."},
     {"histogram", (PyCFunction)(void (*)(void))histogram, METH_FASTCALL,
      "The grid and bins of one tensor whose min and max are known."},
     {"order_statistics", (PyCFunction)(void (*)(void))order_statistics, METH_FASTCALL,
      "Entries of the sorted subsample at the given ranks."},
     {"edges", (PyCFunction)(void (*)(void))edges, METH_FASTCALL,
      "The edges of a histogram grid: the first float of each bin."},
+    {"draw", (PyCFunction)(void (*)(void))draw, METH_FASTCALL,
+     "Uniform positions of a subsample, from a seed."},
     {"crc32c", (PyCFunction)(void (*)(void))crc32c_of, METH_FASTCALL,
      "The CRC-32C of a bytes-like object."},
     {NULL, NULL, 0, NULL},

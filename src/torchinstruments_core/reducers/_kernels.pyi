@@ -13,6 +13,20 @@ def reduce(
     counts: int,
     /,
 ) -> int: ...
+def profile(
+    data: int,
+    numel: int,
+    dtype: int,
+    index: int,
+    size: int,
+    ranks: object,
+    levels: object,
+    bins: int,
+    numbers: object,
+    values: object,
+    /,
+) -> int: ...
+def draw(seed: int, numel: int, size: int, out: int, /) -> None: ...
 def histogram(
     data: int, numel: int, dtype: int, lo: float, hi: float, bins: int, grid: int, counts: int, /
 ) -> int: ...

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload, run
 
 import torch
 
+from torchinstruments_core.reducers import _native
 from torchinstruments_core.reducers._host import HostSummary, host_count, summarize
 
 if TYPE_CHECKING:
@@ -95,6 +96,9 @@ class PreparedTensor:
     def random_index(self, size: int) -> torch.Tensor:
         """``size`` uniform positions in ``[0, numel)``, drawn with replacement from ``generator``.
 
+        On the CPU the generator gives a seed and ``_native.draw_positions`` the positions from
+        it (a tenth of ``torch.randint``'s time there); elsewhere ``torch.randint`` draws them.
+
         Tensors of the same sample and the same ``numel`` share one draw: each tensor's subsample
         is still uniform and independent of its values, which is all an error bound needs, and a
         step draws once per tensor size instead of once per tensor. On an accelerator the
@@ -108,8 +112,12 @@ class PreparedTensor:
         cached = None if self._index_cache is None else self._index_cache.get(key)
         if cached is not None:
             return cached
-        index = torch.randint(self.numel, (size,), generator=self.generator, device=self.device)
-        if not index.is_cpu:
+        if self.device.type == "cpu":
+            # one 62-bit seed from the generator, the positions from it (``draw_positions``)
+            seed = int(torch.randint(2**62, (), generator=self.generator))
+            index = _native.draw_positions(seed, self.numel, size)
+        else:
+            index = torch.randint(self.numel, (size,), generator=self.generator, device=self.device)
             index = index.sort().values
         if self._index_cache is not None:
             self._index_cache[key] = index

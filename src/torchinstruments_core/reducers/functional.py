@@ -404,6 +404,8 @@ class QuantilePlan(NamedTuple):
     ranks: NDArray[np.int64]
     levels: tuple[tuple[float, int, int], ...]
     """Per level: the weight ``gamma``, the positions in ``ranks`` of its low and high entry."""
+    table: NDArray[np.float64]
+    """``levels`` flat, as float64 (three a level), for the compiled kernels (``_native``)."""
 
     def interpolate(self, ordered: Sequence[float], dtype: torch.dtype) -> list[float]:
         """The quantiles from the entries at ``ranks``, lerped in the working dtype.
@@ -447,7 +449,8 @@ def quantile_plan(size: int, qs: Sequence[float]) -> QuantilePlan:
         (position - below, at[below], at[min(below + 1, last)])
         for position, below in zip(positions, belows, strict=True)
     )
-    return QuantilePlan(np.array(ranks, dtype=np.int64), levels)
+    table = np.array([value for level in levels for value in level], dtype=np.float64)
+    return QuantilePlan(np.array(ranks, dtype=np.int64), levels, table)
 
 
 def _host_quantiles(sample: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
