@@ -97,7 +97,7 @@ class PreparedTensor:
         """``size`` uniform positions in ``[0, numel)``, drawn with replacement from ``generator``.
 
         On the CPU the generator gives a seed and ``_native.draw_positions`` the positions from
-        it (a tenth of ``torch.randint``'s time there); elsewhere ``torch.randint`` draws them.
+        it (a third of ``torch.randint``'s time there); elsewhere ``torch.randint`` draws them.
 
         Tensors of the same sample and the same ``numel`` share one draw: each tensor's subsample
         is still uniform and independent of its values, which is all an error bound needs, and a
