@@ -267,7 +267,14 @@ def test_the_fused_path_gives_the_reducers_values_bit_for_bit(
     plain._fused = None
     for measurer in (fused, plain):
         measurer.new_sample()
+    moments = any(isinstance(reducer, MomentsReducer) for reducer in reducers)
     for tensor in _tensors():
+        # the kernel call gives the values, unless the moments' squares need scaling (the
+        # reducers then run on both sides, and the comparison would prove nothing of it)
+        huge = float(tensor.abs().max()) > 1e30
+        prepared = PreparedTensor(tensor, torch.Generator().manual_seed(1))
+        taken = fused._fused.reduce(prepared, with_histogram) is not None
+        assert taken == (not (huge and moments))
         one = fused.measure(tensor, with_histogram=with_histogram)
         other = plain.measure(tensor, with_histogram=with_histogram)
         assert one.reason is None
@@ -377,11 +384,11 @@ def test_the_drawn_positions_are_numpys_in_range_and_uniform(
 ) -> None:
     """The kernels' draws equal numpy's (the same quartiles with and without the kernels).
 
-    Every position is in ``[0, numel)``, near the top of a range too large for a float's
-    product to stay below it, and a million draws over ten positions fill each within six
-    standard deviations of its share.
+    Every position is in ``[0, numel)``, for a tensor of more entries than a double counts
+    exactly too, and a million draws over ten positions fill each within six standard
+    deviations of its share.
     """
-    cases = [(12_345, 16_384, 8192), (2**62 - 1, 7, 10_000), (0, 1, 5), (99, 2**53 - 3, 1000)]
+    cases = [(12_345, 16_384, 8192), (2**62 - 1, 7, 10_000), (0, 1, 5), (99, 2**62 + 12_345, 1000)]
     drawn = [_native.draw_positions(*case) for case in cases]
     monkeypatch.setattr(_native, "KERNELS", None)
     assert all(
@@ -397,6 +404,18 @@ def test_the_drawn_positions_are_numpys_in_range_and_uniform(
     assert counts.numel() == 10
     assert (counts - 100_000).abs().max() < 6 * math.sqrt(100_000 * 0.9)
     assert not torch.equal(_native.draw_positions(1, 10, 50), _native.draw_positions(2, 10, 50))
+
+
+def test_a_cpu_subsample_is_drawn_on_the_cpu_whatever_the_default_device() -> None:
+    """``torch.set_default_device`` (here the meta device, per thread) moves no draw off the CPU."""
+    tensor = torch.randn(50_000)
+    expected = PreparedTensor(tensor, torch.Generator().manual_seed(4)).random_index(1000)
+    with torch.device("meta"):
+        index = PreparedTensor(tensor, torch.Generator().manual_seed(4)).random_index(1000)
+        drawn = _native.draw_positions(7, 100, 10)
+    assert index.device.type == drawn.device.type == "cpu"
+    assert torch.equal(index, expected)
+    assert torch.equal(drawn, _native.draw_positions(7, 100, 10))
 
 
 def test_a_cpu_subsample_comes_from_one_seed_of_the_private_generator() -> None:
@@ -426,6 +445,18 @@ def test_the_kernels_refuse_sizes_out_of_range() -> None:
     short = np.empty(_native.MOMENTS + 3 + 7 + 3, dtype=np.float32)  # 7 bins pack into 11
     with pytest.raises(ValueError, match="values holds 88 bytes, not 92"):
         kernels.profile(values.data_ptr(), 10, 0, 0, 10, plan.ranks, plan.table, 7, numbers, short)
+    bad_plans = {
+        "partial item": (plan.ranks.astype(np.int32)[:1], plan.table),
+        "not ascending": (plan.ranks[::-1].copy(), plan.table),
+        "within the subsample": (plan.ranks + 10, plan.table),
+        "not one of the ranks": (plan.ranks, plan.table + 10.0),
+    }
+    enough = np.empty(_native.MOMENTS + 3 + 11, dtype=np.float32)
+    for problem, (ranks, table) in bad_plans.items():
+        with pytest.raises(ValueError, match=problem):
+            kernels.profile(values.data_ptr(), 10, 0, 0, 10, ranks, table, 7, numbers, enough)
+    with pytest.raises(ValueError, match="larger than the tensor"):
+        kernels.profile(values.data_ptr(), 10, 0, 0, 11, plan.ranks, plan.table, 7, numbers, enough)
     with pytest.raises(ValueError, match="numbers"):
         kernels.profile(
             values.data_ptr(), 10, 0, 0, 10, plan.ranks, plan.table, 7, numbers[1:], short

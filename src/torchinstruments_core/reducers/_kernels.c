@@ -627,6 +627,37 @@ static int get_buffer(PyObject* object, Py_buffer* view, Py_ssize_t bytes, int w
     return 0;
 }
 
+/* Whether ``ranks`` (int64) and ``levels`` (float64, three a level) describe quantiles of a
+   subsample of ``m`` entries: whole items, ranks ascending in [0, m), each level's two places
+   whole numbers within the ranks, and, without an index, a subsample within the ``n`` entries.
+   Anything else would make the passes read outside their buffers: a ValueError instead. */
+static int valid_plan(const Py_buffer* ranks, const Py_buffer* levels, int64_t m, int64_t n,
+                      int indexed) {
+    if (m == 0) return 1;
+    const char* problem = NULL;
+    int64_t count = (int64_t)(ranks->len / (Py_ssize_t)sizeof(int64_t));
+    int64_t nlevels = (int64_t)(levels->len / (Py_ssize_t)(3 * sizeof(double)));
+    const int64_t* r = (const int64_t*)ranks->buf;
+    const double* l = (const double*)levels->buf;
+    if (ranks->len % (Py_ssize_t)sizeof(int64_t) || levels->len % (Py_ssize_t)(3 * sizeof(double)))
+        problem = "ranks or levels hold a partial item";
+    else if (!indexed && m > n)
+        problem = "the subsample is larger than the tensor";
+    for (int64_t i = 0; problem == NULL && i < count; i++)
+        if (r[i] < 0 || r[i] >= m || (i > 0 && r[i] < r[i - 1]))
+            problem = "the ranks are not ascending within the subsample";
+    for (int64_t i = 0; problem == NULL && i < nlevels; i++) {
+        for (int k = 1; k < 3; k++) {
+            double at = l[3 * i + k];
+            if (!(at >= 0.0 && at < (double)count && at == floor(at)))
+                problem = "a level's place is not one of the ranks";
+        }
+    }
+    if (problem == NULL) return 1;
+    PyErr_Format(PyExc_ValueError, "profile: %s", problem);
+    return 0;
+}
+
 /* profile(data, n, dtype, index, m, ranks, levels, bins, numbers, values) -> status
  *
  * ``reduce``, then the values of the default profile (``finish_*``): ``ranks`` (int64) and
@@ -656,6 +687,13 @@ static PyObject* profile(PyObject* module, PyObject* const* args, Py_ssize_t nar
         return NULL;
     }
     int64_t nlevels = m > 0 ? (int64_t)(levels.len / (Py_ssize_t)(3 * sizeof(double))) : 0;
+    if (!valid_plan(&ranks, &levels, m, n, index != NULL)) {
+        PyBuffer_Release(&levels);
+        PyBuffer_Release(&ranks);
+        return NULL;
+    }
+    if (count == 0) m = 0; /* no rank wanted: no order statistics, no quantiles */
+    if (m == 0) nlevels = 0;
     Py_ssize_t itemsize = dtype == DTYPE_FLOAT32 ? sizeof(float) : sizeof(double);
     Py_ssize_t needed = (Py_ssize_t)(MOMENTS + nlevels + (bins > 0 ? bins + 4 : 0)) * itemsize;
     if (get_buffer(args[8], &numbers, (Py_ssize_t)(5 + count + 4) * (Py_ssize_t)sizeof(double), 1,

@@ -302,8 +302,9 @@ def draw_positions(seed: int, numel: int, size: int) -> torch.Tensor:
         numel: Entries of the tensor (at least one).
         size: Positions to draw.
     """
-    out = torch.empty(size, dtype=torch.int64)
     if KERNELS is not None:
+        # on the CPU whatever torch's default device is: the kernels write into its memory
+        out = torch.empty(size, dtype=torch.int64, device="cpu")
         KERNELS.draw(seed, numel, size, out.data_ptr())
         return out
     with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as C's does
@@ -314,5 +315,4 @@ def draw_positions(seed: int, numel: int, size: int) -> torch.Tensor:
     unit = (z >> _SHIFTS[3]).astype(np.float64) * 2.0**-53
     positions = (unit * float(numel)).astype(np.int64)
     np.minimum(positions, numel - 1, out=positions)
-    out.numpy()[:] = positions
-    return out
+    return torch.from_numpy(positions)

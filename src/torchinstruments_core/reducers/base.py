@@ -114,7 +114,8 @@ class PreparedTensor:
             return cached
         if self.device.type == "cpu":
             # one 62-bit seed from the generator, the positions from it (``draw_positions``)
-            seed = int(torch.randint(2**62, (), generator=self.generator))
+            # on the CPU whatever torch's default device is (``torch.set_default_device``)
+            seed = int(torch.randint(2**62, (), generator=self.generator, device="cpu"))
             index = _native.draw_positions(seed, self.numel, size)
         else:
             index = torch.randint(self.numel, (size,), generator=self.generator, device=self.device)
