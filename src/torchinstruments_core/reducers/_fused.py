@@ -5,9 +5,11 @@ few calls into the compiled kernels (``_native``) and a few dozen Python operati
 reduction worker every call releases the GIL and takes it back, and every stretch of Python holds
 it while the training thread waits. When the reducers are the built-in ones (``MomentsReducer``,
 ``QuantileReducer``, ``HistogramReducer``), ``FusedReductions`` gives the same values from one
-kernel call per tensor: the same summary, order statistics, grid and bins as the reducers get
-from the kernels, then the same Python arithmetic (``host_moment_values``,
-``QuantilePlan.interpolate``, ``pack_histogram``). Where the reducers would leave the host
+kernel call per tensor (``_native.profile``): the same summary, order statistics, grid and bins
+as the reducers get from the kernels, then, in the same call, the arithmetic of
+``host_moment_values``, ``QuantilePlan.interpolate`` and ``pack_histogram`` with the same float
+operations in the working dtype (a mean so large against the spread that the moments need a
+second pass leaves them to ``host_moment_values``). Where the reducers would leave the host
 shortcuts (a NaN or an infinity, squares that need scaling, a grid too fine for its bins), it
 gives nothing and the reducers run as usual.
 """

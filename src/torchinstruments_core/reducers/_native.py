@@ -1,10 +1,12 @@
 """The compiled CPU reductions (``_kernels.c``): whether they are there, and the calls into them.
 
 On the CPU the default profile's work for one tensor (sums, extremes, zeros, the quartiles'
-order statistics, the histogram) is one call into ``_kernels``, which releases the GIL for all
-of it. The extension is optional: a build without a C compiler has none, and
-``TORCHINSTRUMENTS_NATIVE=0`` in the environment (read at import) leaves it unused. Without it
-the same statistics come from numpy and torch (``_host``, ``_host_binning``, ``_select``):
+order statistics, the histogram, and the values the built-in reducers make of them: ``profile``)
+is one call into ``_kernels``, which releases the GIL for all of it; so is drawing the
+quartiles' subsample positions (``draw_positions``). The extension is optional: a build
+without a C compiler has none, and ``TORCHINSTRUMENTS_NATIVE=0`` in the environment (read at
+import) leaves it unused. Without it the same statistics come from numpy and torch (``_host``,
+``_host_binning``, ``_select``):
 histograms, extremes, zero counts and quartiles bit for bit the same, sums (and so mean, std,
 rms and l2_norm) within their rounding (per-lane double sums here, blocked float32 sums there).
 
