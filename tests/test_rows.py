@@ -6,6 +6,7 @@ summaries) reads the parts and gives what it gives for the same rows as a plain 
 
 from __future__ import annotations
 
+import copy
 import math
 import pickle
 from collections.abc import Mapping
@@ -88,6 +89,17 @@ def test_pickled_rows_come_back_as_a_tuple() -> None:
     assert again.rows == _expected()
     assert isinstance(again.rows, tuple)
     assert again == record
+
+
+def test_a_pickled_or_copied_histogram_record_is_equal_to_the_original() -> None:
+    """``HistogramRecord`` pickles as its fields (``__reduce__``): every one comes back."""
+    record = HistogramRecord(
+        "block.conv", 2, Signal.OUTPUT_GRADIENT, "0", (0.0, 0.5, 1.0), (3.0, 4.0), nonfinite_count=5
+    )
+    for again in (pickle.loads(pickle.dumps(record)), copy.copy(record), copy.deepcopy(record)):
+        assert again == record
+        assert again is not record
+        assert again.signal is Signal.OUTPUT_GRADIENT
 
 
 def test_the_parts_of_a_plain_tuple_are_its_rows() -> None:
