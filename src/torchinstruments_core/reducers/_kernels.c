@@ -11,7 +11,7 @@
  * What it must agree with, bit for bit: the histogram grid and bins of ``_host_binning`` and
  * ``_binning`` (the same float operations in the working dtype, in the same order; compiled with
  * -ffp-contract=off so that no multiply-add is fused), and the order statistics of ``np.sort``
- * (a radix sort of the same entries: the same values, a -0.0 and a 0.0 aside, which compare
+ * (a radix selection among the same entries: the same values, a -0.0 and a 0.0 aside, which compare
  * equal and may trade places). The sums are accumulated in double per lane, so
  * they are at least as accurate as the blocked float32 sums they replace, not equal to them.
  *
@@ -35,6 +35,14 @@
 #define TI_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define TI_CLONES
+#endif
+
+#if defined(_MSC_VER)
+#define TI_NOINLINE __declspec(noinline)
+#elif defined(__GNUC__)
+#define TI_NOINLINE __attribute__((noinline))
+#else
+#define TI_NOINLINE
 #endif
 
 #define LANES 16
@@ -179,10 +187,10 @@ DEFINE_GRID(grid_f64, double, DBL_MAX, DBL_EPSILON, fabs)
 DEFINE_BINS(bins_f32, float)
 DEFINE_BINS(bins_f64, double)
 
-/* ---- order statistics: a radix sort of the gathered subsample's keys ----------------------- */
+/* ---- order statistics: a radix selection in the gathered subsample's keys ------------------ */
 
 /* Floats as unsigned keys in their order (a negative float's bits inverted, a positive one's sign
-   bit set): an LSD radix sort of the keys sorts the floats, without a comparison to mispredict. */
+   bit set): selecting among the keys by their digits selects among the floats. */
 static uint32_t order_key_f32(float x) {
     uint32_t bits;
     memcpy(&bits, &x, sizeof bits);
@@ -206,117 +214,161 @@ static double order_float_f64(uint64_t key) {
     return x;
 }
 
-#define RADIX_BITS 11
-#define RADIX (1 << RADIX_BITS)
+/* The order statistics are found by a radix selection, most significant digit first: a pass
+   counts the keys' next digit (below the leading bits they all share), the keys of the digits
+   that hold a wanted rank move to scratch memory, a bucket each, and each bucket is split again
+   until it is small (then sorted) or of one key (a ReLU's zeros). Only the wanted buckets are
+   ever moved, so a subsample's keys are read about twice in all, whatever their distribution.
+   The counts and the write cursors come in SELECT_LANES copies, key i going to copy i % LANES:
+   a run of keys of one digit would otherwise make each count wait for the one before it. */
+#define SELECT_BITS 8
+#define SELECT_RADIX (1 << SELECT_BITS)
+#define SELECT_LANES 8
+#define SELECT_PAD 8    /* a lane's table 2,112 bytes after the one before: none 4 KiB apart */
+#define SELECT_SMALL 32 /* a bucket this small is insertion-sorted */
 
-#define SORT_BITS 8
-#define SORT_RADIX (1 << SORT_BITS)
+typedef struct {
+    int64_t place; /* where its keys start, in the keys and in the scratch */
+    int64_t size;  /* its keys */
+    int64_t first; /* its first wanted rank, an index into the caller's ranks */
+    int64_t count; /* its wanted ranks */
+} Bucket;
 
-/* Sort keys[0..m) with scratch[0..m) by their low KEY_BITS - RADIX_BITS bits (a bucket's keys
-   share the top digit), a byte at a time; returns where the sorted keys are. */
-#define DEFINE_RADIX(NAME, K, KEY_BITS)                                                        \
-    static K* NAME(K* keys, K* scratch, int64_t m, int64_t* counts) {                          \
-        for (int shift = 0; shift < KEY_BITS - RADIX_BITS; shift += SORT_BITS) {               \
-            memset(counts, 0, sizeof(int64_t) * SORT_RADIX);                                   \
-            for (int64_t i = 0; i < m; i++) counts[(keys[i] >> shift) & (SORT_RADIX - 1)]++;   \
-            int64_t first = (keys[0] >> shift) & (SORT_RADIX - 1);                             \
-            if (counts[first] == m) continue; /* one digit for every key: nothing to move */   \
-            int64_t total = 0;                                                                 \
-            for (int digit = 0; digit < SORT_RADIX; digit++) {                                 \
-                int64_t count = counts[digit];                                                 \
-                counts[digit] = total;                                                         \
-                total += count;                                                                \
+/* NAME(keys, scratch, m, ranks, count, found, buckets, rebased): found[j] is the key of rank
+   ranks[j] (ascending, in [0, m)) among keys[0..m); the keys are reordered, scratch[0..m) is
+   overwritten. buckets and rebased have room for count * (KEY_BITS + 1) entries: each level of
+   the recursion takes at most ``count`` of each after those of the levels above it. */
+#define DEFINE_SELECT(NAME, K, KEY_BITS)                                                       \
+    /* Count the digit at ``shift`` (``mask`` wide) over keys[0..m), note the buckets of the   \
+       digits that hold a wanted rank (their ranks rebased to the bucket) and move their keys  \
+       to scratch, bucket after bucket; returns how many buckets. */                           \
+    TI_NOINLINE static int64_t NAME##_split(const K* keys, K* scratch, int64_t m, int shift,   \
+                                            K mask, const int64_t* ranks, int64_t count,       \
+                                            Bucket* buckets, int64_t* rebased) {               \
+        int64_t counts[SELECT_LANES][SELECT_RADIX + SELECT_PAD];                               \
+        memset(counts, 0, sizeof counts);                                                      \
+        int64_t i = 0;                                                                         \
+        for (; i + SELECT_LANES <= m; i += SELECT_LANES)                                       \
+            for (int lane = 0; lane < SELECT_LANES; lane++)                                    \
+                counts[lane][(keys[i + lane] >> shift) & mask]++;                              \
+        for (; i < m; i++) counts[0][(keys[i] >> shift) & mask]++;                             \
+        int64_t found = 0, start = 0, place = 0, r = 0, digit = 0;                             \
+        int64_t wanted[SELECT_RADIX];                                                          \
+        const int digits = (int)(mask & (SELECT_RADIX - 1)) + 1; /* mask < SELECT_RADIX */    \
+        for (int d = 0; d < digits; d++) {                                                     \
+            int64_t size = 0;                                                                  \
+            for (int lane = 0; lane < SELECT_LANES; lane++) size += counts[lane][d];           \
+            wanted[d] = r < count && ranks[r] < start + size;                                  \
+            if (wanted[d]) {                                                                   \
+                Bucket* bucket = &buckets[found++];                                            \
+                bucket->place = place;                                                         \
+                bucket->size = size;                                                           \
+                bucket->first = r;                                                             \
+                for (; r < count && ranks[r] < start + size; r++) rebased[r] = ranks[r] - start; \
+                bucket->count = r - bucket->first;                                             \
+                for (int lane = 0; lane < SELECT_LANES; lane++) { /* lane's first place */     \
+                    int64_t in_lane = counts[lane][d];                                         \
+                    counts[lane][d] = place;                                                   \
+                    place += in_lane;                                                          \
+                }                                                                              \
+                digit = d;                                                                     \
             }                                                                                  \
-            for (int64_t i = 0; i < m; i++)                                                    \
-                scratch[counts[(keys[i] >> shift) & (SORT_RADIX - 1)]++] = keys[i];            \
-            K* swap = keys;                                                                    \
-            keys = scratch;                                                                    \
-            scratch = swap;                                                                    \
+            start += size;                                                                     \
         }                                                                                      \
-        return keys;                                                                           \
+        if (found == 1) { /* one bucket: a compaction, its cursor in a register */             \
+            const K want = (K)digit;                                                           \
+            int64_t n = 0;                                                                     \
+            for (i = 0; i < m; i++) {                                                          \
+                K key = keys[i];                                                               \
+                scratch[n] = key;                                                              \
+                n += ((key >> shift) & mask) == want;                                          \
+            }                                                                                  \
+            return found;                                                                      \
+        }                                                                                      \
+        K unwanted[SELECT_LANES]; /* where the keys of the other digits are written */         \
+        for (i = 0; i + SELECT_LANES <= m; i += SELECT_LANES)                                  \
+            for (int lane = 0; lane < SELECT_LANES; lane++) {                                  \
+                K key = keys[i + lane];                                                        \
+                int64_t d = (int64_t)((key >> shift) & mask);                                  \
+                K* at = wanted[d] ? scratch + counts[lane][d] : &unwanted[lane];               \
+                *at = key;                                                                     \
+                counts[lane][d] += wanted[d];                                                  \
+            }                                                                                  \
+        for (; i < m; i++) {                                                                   \
+            K key = keys[i];                                                                   \
+            int64_t d = (int64_t)((key >> shift) & mask);                                      \
+            if (wanted[d]) scratch[counts[0][d]++] = key;                                      \
+        }                                                                                      \
+        return found;                                                                          \
+    }                                                                                          \
+    static void NAME(K* keys, K* scratch, int64_t m, const int64_t* ranks, int64_t count,     \
+                     K* found, Bucket* buckets, int64_t* rebased) {                            \
+        if (m <= SELECT_SMALL) {                                                               \
+            for (int64_t i = 1; i < m; i++) {                                                  \
+                K key = keys[i];                                                               \
+                int64_t j = i;                                                                 \
+                for (; j > 0 && keys[j - 1] > key; j--) keys[j] = keys[j - 1];                 \
+                keys[j] = key;                                                                 \
+            }                                                                                  \
+            for (int64_t j = 0; j < count; j++) found[j] = keys[ranks[j]];                     \
+            return;                                                                            \
+        }                                                                                      \
+        K differ = 0; /* the bits in which some key differs from the first */                  \
+        for (int64_t i = 1; i < m; i++) differ |= keys[i] ^ keys[0];                           \
+        int bits = 0; /* the digit is taken below the leading bits every key shares */         \
+        while (bits < KEY_BITS && (differ >> bits)) bits++;                                    \
+        if (bits == 0) { /* one key (a ReLU's zeros) */                                        \
+            for (int64_t j = 0; j < count; j++) found[j] = keys[0];                            \
+            return;                                                                            \
+        }                                                                                      \
+        int shift = bits > SELECT_BITS ? bits - SELECT_BITS : 0;                               \
+        K mask = (K)((((K)1) << (bits - shift)) - 1);                                          \
+        int64_t parts = NAME##_split(keys, scratch, m, shift, mask, ranks, count, buckets,     \
+                                     rebased);                                                 \
+        for (int64_t b = 0; b < parts; b++) { /* the keys' memory is free: it is the scratch */ \
+            const Bucket* bucket = &buckets[b];                                                \
+            NAME(scratch + bucket->place, keys + bucket->place, bucket->size,                  \
+                 rebased + bucket->first, bucket->count, found + bucket->first,                \
+                 buckets + count, rebased + count);                                            \
+        }                                                                                      \
     }
 
-DEFINE_RADIX(radix_u32, uint32_t, 32)
-DEFINE_RADIX(radix_u64, uint64_t, 64)
+DEFINE_SELECT(select_u32, uint32_t, 32)
+DEFINE_SELECT(select_u64, uint64_t, 64)
 
 /* The entries at ``ranks`` (ascending) of the sorted x[index[0..m)] (x[0..m) without index), as
-   doubles. One pass counts the keys' top digits; only the buckets that hold a wanted rank are
-   gathered and radix-sorted (a ReLU's zeros are one bucket of one key: nothing to move). Memory:
-   the keys, the gathered buckets and room to sort the largest of them (about 4 to 12 bytes an
-   entry of float32 in all, the most where the wanted ranks sit in one large bucket). */
-#define DEFINE_ORDER(NAME, T, K, KEY, FLOAT, RADIX_SORT, KEY_BITS)                             \
+   doubles; -1 where memory runs out. Memory: the keys and as much scratch (8 bytes an entry of
+   float32 in all). */
+#define DEFINE_ORDER(NAME, T, K, KEY, FLOAT, SELECT, KEY_BITS)                                 \
     static int NAME(const T* x, const int64_t* index, int64_t m, const int64_t* ranks,         \
                     int64_t count, double* out) {                                              \
-        const int top = KEY_BITS - RADIX_BITS;                                                 \
-        K* keys = (K*)malloc((size_t)m * sizeof(K));                                           \
-        int64_t* counts = (int64_t*)malloc(sizeof(int64_t) * RADIX * 4);                       \
-        K* bucketed = NULL;                                                                    \
-        if (keys == NULL || counts == NULL) goto failed;                                       \
-        int64_t *starts = counts + RADIX, *places = counts + 2 * RADIX;                        \
-        int64_t* sorting = counts + 3 * RADIX; /* the radix sort's own counts */               \
-        memset(counts, 0, sizeof(int64_t) * RADIX);                                            \
-        for (int64_t i = 0; i < m; i++) {                                                      \
-            keys[i] = KEY(index != NULL ? x[index[i]] : x[i]);                                 \
-            counts[keys[i] >> top]++;                                                          \
+        K* keys = (K*)malloc((size_t)m * 2 * sizeof(K));                                       \
+        K* found = (K*)malloc((size_t)count * sizeof(K));                                      \
+        Bucket* buckets = (Bucket*)malloc((size_t)count * (KEY_BITS + 1) * sizeof(Bucket));    \
+        int64_t* rebased = (int64_t*)malloc((size_t)count * (KEY_BITS + 1) * sizeof(int64_t)); \
+        int failed = keys == NULL || found == NULL || buckets == NULL || rebased == NULL;      \
+        if (!failed) {                                                                         \
+            if (index != NULL)                                                                 \
+                for (int64_t i = 0; i < m; i++) keys[i] = KEY(x[index[i]]);                    \
+            else                                                                               \
+                for (int64_t i = 0; i < m; i++) keys[i] = KEY(x[i]);                           \
+            SELECT(keys, keys + m, m, ranks, count, found, buckets, rebased);                  \
+            for (int64_t j = 0; j < count; j++) out[j] = (double)FLOAT(found[j]);              \
         }                                                                                      \
-        int64_t total = 0;                                                                     \
-        for (int digit = 0; digit < RADIX; digit++) {                                          \
-            starts[digit] = total;                                                             \
-            total += counts[digit];                                                            \
-            places[digit] = -1;                                                                \
-        }                                                                                      \
-        int64_t gathered = 0, largest = 0, digit = 0;                                          \
-        for (int64_t r = 0; r < count; r++) { /* the bucket of each rank, and its place */     \
-            while (starts[digit] + counts[digit] <= ranks[r]) digit++;                         \
-            if (places[digit] < 0) {                                                           \
-                places[digit] = gathered;                                                      \
-                gathered += counts[digit];                                                     \
-                largest = counts[digit] > largest ? counts[digit] : largest;                   \
-            }                                                                                  \
-        }                                                                                      \
-        /* the gathered buckets, then scratch for sorting the largest of them */               \
-        bucketed = (K*)malloc((size_t)(gathered + largest) * sizeof(K));                       \
-        if (bucketed == NULL) goto failed;                                                     \
-        K* scratch = bucketed + gathered;                                                      \
-        int64_t* filled = counts; /* reused: how far each gathered bucket is filled */         \
-        for (int d = 0; d < RADIX; d++) filled[d] = places[d];                                 \
-        for (int64_t i = 0; i < m; i++) {                                                      \
-            int64_t d = (int64_t)(keys[i] >> top);                                             \
-            if (places[d] >= 0) bucketed[filled[d]++] = keys[i];                               \
-        }                                                                                      \
-        digit = 0;                                                                             \
-        for (int64_t r = 0; r < count; r++) {                                                  \
-            while (starts[digit] + (filled[digit] - places[digit]) <= ranks[r]) digit++;       \
-            int64_t size = filled[digit] - places[digit];                                      \
-            K* bucket = bucketed + places[digit];                                              \
-            if (size > 1 && (r == 0 || ranks[r - 1] < starts[digit])) { /* sort it once */     \
-                int same = 1; /* a ReLU's zeros: one key, sorted already */                    \
-                for (int64_t i = 1; i < size; i++) same &= bucket[i] == bucket[0];             \
-                if (!same) {                                                                   \
-                    K* sorted = RADIX_SORT(bucket, scratch, size, sorting);                    \
-                    if (sorted != bucket) memcpy(bucket, sorted, (size_t)size * sizeof(K));    \
-                }                                                                              \
-            }                                                                                  \
-            out[r] = (double)FLOAT(bucket[ranks[r] - starts[digit]]);                          \
-        }                                                                                      \
-        free(bucketed);                                                                        \
-        free(counts);                                                                          \
+        free(rebased);                                                                         \
+        free(buckets);                                                                         \
+        free(found);                                                                           \
         free(keys);                                                                            \
-        return 0;                                                                              \
-    failed:                                                                                    \
-        free(bucketed);                                                                        \
-        free(counts);                                                                          \
-        free(keys);                                                                            \
-        return -1;                                                                             \
+        return failed ? -1 : 0;                                                                \
     }
 
-DEFINE_ORDER(order_f32, float, uint32_t, order_key_f32, order_float_f32, radix_u32, 32)
-DEFINE_ORDER(order_f64, double, uint64_t, order_key_f64, order_float_f64, radix_u64, 64)
+DEFINE_ORDER(order_f32, float, uint32_t, order_key_f32, order_float_f32, select_u32, 32)
+DEFINE_ORDER(order_f64, double, uint64_t, order_key_f64, order_float_f64, select_u64, 64)
 
 /* ---- the edges: the first float of each bin (reducers/_edges.py, found by bisection) -------- */
 
 /* Floats as integer keys in their order (-0.0 and 0.0 share key 0), and back. Not the order
-   statistics' keys above: those tell -0.0 from 0.0 and are unsigned for the radix sort, while
+   statistics' keys above: those tell -0.0 from 0.0 and are unsigned for the radix selection, while
    the edges must be the floats numpy's search (``_edges._Floats.keys``) finds, where a zero
    edge is 0.0. */
 static int64_t key_f32(float x) {
