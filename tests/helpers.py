@@ -85,3 +85,16 @@ def train_side_by_side(
             observer.end_step()
         if after_step is not None:
             after_step(step)
+
+
+def floats(values: torch.Tensor | list[float] | float | None) -> list[float]:
+    """A measurement's values as floats.
+
+    A tensor's are read back; host floats (the compiled kernels' values of a CPU tensor) are
+    taken as they are.
+    """
+    assert values is not None
+    if isinstance(values, torch.Tensor):
+        listed = values.tolist()
+        return listed if isinstance(listed, list) else [listed]
+    return values if isinstance(values, list) else [values]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import floats
 from torchinstruments_core import AlwaysSampler, ObservationWarning, StatRow, inject_observer
 from torchinstruments_core.reducers import DEFAULT_METRICS
 from torchinstruments_core.testing import RecordingSink
@@ -341,11 +342,10 @@ def test_an_efficient_zero_tensor_is_measured_as_the_zeros_it_stands_for(backgro
         values = [value for result in measured.results for value in _values(result.values)]
         assert values[:6] == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # mean, std, min, max, zero, nonfinite
         assert measured.histogram is not None
-        assert sum(measured.histogram[3:11].tolist()) == 1000
+        assert sum(floats(measured.histogram)[3:11]) == 1000
     finally:
         measurer.close()
 
 
-def _values(values: torch.Tensor | None) -> list[float]:
-    assert values is not None
-    return list(values.tolist())
+def _values(values: torch.Tensor | list[float] | None) -> list[float]:
+    return floats(values)

@@ -32,7 +32,6 @@ from torchinstruments_core.reducers import (
     working_dtype,
 )
 from torchinstruments_core.reducers._fused import FusedReductions
-from torchinstruments_core.reducers._host import host_count
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -55,10 +54,15 @@ call (``_fused``, about 80 us a 640-entry tensor in the hooks), the batch-64 MLP
 
 @dataclass(slots=True)
 class ReducerResult:
-    """What one reducer gave for one tensor: device values, or the reason it gave none."""
+    """What one reducer gave for one tensor: its values, or the reason it gave none.
+
+    The values are a tensor on the measured tensor's device, or floats on the host already
+    where the compiled kernels reduced a CPU tensor (``FusedReductions``): those need no
+    transfer, and reading them back from tensors cost a tensor about 25 us in torch calls.
+    """
 
     metrics: tuple[str, ...]
-    values: torch.Tensor | None
+    values: torch.Tensor | list[float] | None
     error: str | None = None
 
 
@@ -72,9 +76,11 @@ class Measurement:
 
     reason: str | None
     metrics: tuple[str, ...]
-    n_finite: torch.Tensor | None = None
+    n_finite: torch.Tensor | float | None = None
+    """The finite entries: a 0-d device tensor, or a float on the host (as the values are)."""
     results: list[ReducerResult] = field(default_factory=list)
-    histogram: torch.Tensor | None = None
+    histogram: torch.Tensor | list[float] | None = None
+    """The packed histogram (``pack_histogram``): device tensor or host floats."""
     histogram_bins: int = 0
     histogram_float64: bool = False
     errors: list[BaseException] = field(default_factory=list)
@@ -453,13 +459,13 @@ class Measurer:
             return False
         if fused is None:
             return False
-        measurement.n_finite = host_count(prepared.numel)
+        measurement.n_finite = float(prepared.numel)  # every entry is finite on this path
         for reducer, values in zip(self.reducers, fused.results, strict=True):
             measurement.results.append(ReducerResult(reducer.metrics, values))
         if fused.histogram is not None:
             measurement.histogram = fused.histogram
             measurement.histogram_bins = self.histogram.bins
-            measurement.histogram_float64 = fused.histogram.dtype == torch.float64
+            measurement.histogram_float64 = fused.float64
         return True
 
     def _run(
@@ -558,12 +564,14 @@ def _unalias(measurement: Measurement, buffer: torch.Tensor) -> None:
     """
     storage = buffer.untyped_storage().data_ptr()
 
-    def own(values: torch.Tensor | None) -> torch.Tensor | None:
-        if values is not None and values.untyped_storage().data_ptr() == storage:
-            return values.clone()
-        return values
+    def own(values: torch.Tensor) -> torch.Tensor:
+        return values.clone() if values.untyped_storage().data_ptr() == storage else values
 
+    # host floats (the kernels' values) view no buffer: only tensors may need a copy
     for result in measurement.results:
-        result.values = own(result.values)
-    measurement.histogram = own(measurement.histogram)
-    measurement.n_finite = own(measurement.n_finite)
+        if isinstance(result.values, torch.Tensor):
+            result.values = own(result.values)
+    if isinstance(measurement.histogram, torch.Tensor):
+        measurement.histogram = own(measurement.histogram)
+    if isinstance(measurement.n_finite, torch.Tensor):
+        measurement.n_finite = own(measurement.n_finite)

@@ -16,6 +16,8 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+import torch
+
 from torchinstruments_core._measure import shareable
 from torchinstruments_core._recompute import RecomputeLedger
 from torchinstruments_core._records import (
@@ -34,7 +36,6 @@ from torchinstruments_core.reducers._binning import split_histograms
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    import torch
     from torch.utils.hooks import RemovableHandle
 
     from torchinstruments_core._capture import GradientSlot
@@ -249,14 +250,17 @@ class Sample:
         yield from events(stamp for interval in self.overhead for stamp in interval)
 
     def _device_tensors(self) -> Iterator[torch.Tensor]:
-        """The values of each distinct measurement, in the order ``_landed`` reads them."""
+        """The values of each distinct measurement, in the order ``_landed`` reads them.
+
+        Only tensors: the values the compiled kernels gave are host floats already.
+        """
         for measurement in self._distinct():
-            if measurement.n_finite is not None:
+            if isinstance(measurement.n_finite, torch.Tensor):
                 yield measurement.n_finite  # 0-d: the transfer reads it without a reshape
             for result in measurement.results:
-                if result.values is not None:
+                if isinstance(result.values, torch.Tensor):
                     yield result.values
-            if measurement.histogram is not None:
+            if isinstance(measurement.histogram, torch.Tensor):
                 yield measurement.histogram
 
     def build(self, transfer: HostTransfer, *, run_id: str, rank: int) -> SampleRecord:
@@ -309,11 +313,23 @@ def _where(site: Site) -> tuple[str, int, Signal, str]:
 
 
 def _landed(measurement: Measurement, host: Iterator[list[float]]) -> _Landed:
-    """A measurement's values, read from ``host`` in the order ``_device_tensors`` gave them."""
-    n_finite = next(host)[0] if measurement.n_finite is not None else None
-    results = [None if r.values is None else next(host) for r in measurement.results]
-    histogram = next(host) if measurement.histogram is not None else None
-    return _Landed(n_finite, results, histogram)
+    """A measurement's values on the host.
+
+    Its tensors' are read from ``host``, in the order ``_device_tensors`` gave them; host floats
+    (the compiled kernels') are taken as they are.
+    """
+    n_finite = measurement.n_finite
+    if isinstance(n_finite, torch.Tensor):
+        n_finite = next(host)[0]
+    results = [_read(result.values, host) for result in measurement.results]
+    return _Landed(n_finite, results, _read(measurement.histogram, host))
+
+
+def _read(
+    values: torch.Tensor | list[float] | None, host: Iterator[list[float]]
+) -> list[float] | None:
+    """Values of a measurement: a tensor's, next in ``host``; host floats as they are."""
+    return next(host) if isinstance(values, torch.Tensor) else values
 
 
 def _part(site: Site, measurement: Measurement, landed: _Landed) -> RowPart:

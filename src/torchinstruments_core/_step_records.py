@@ -181,7 +181,11 @@ def _add_extra(extra: tuple[tuple[str, torch.Tensor], ...], measurement: Measure
     if measurement.reason is not None:
         return
     names = tuple(name for name, _ in extra)
-    device = measurement.n_finite.device if measurement.n_finite is not None else None
+    n_finite, device = measurement.n_finite, None
+    if isinstance(n_finite, torch.Tensor):
+        device = n_finite.device
+    elif n_finite is not None:  # host floats: the compiled kernels reduced it on the CPU
+        device = torch.device("cpu")
     dtype = torch.float32 if device is not None and device.type == "mps" else torch.float64
     values = torch.stack([value.detach().reshape(()).to(device, dtype) for _, value in extra])
     measurement.results.append(ReducerResult(names, values))

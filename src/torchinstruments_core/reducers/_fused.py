@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+import numpy as np
 
 from torchinstruments_core.reducers import _native
-from torchinstruments_core.reducers._host import HostSummary, host_values
+from torchinstruments_core.reducers._host import HostSummary
 from torchinstruments_core.reducers.base import CHUNK_SIZE
 from torchinstruments_core.reducers.functional import (
     DEFAULT_QUANTILES,
@@ -41,10 +41,18 @@ if TYPE_CHECKING:
 
 
 class Fused(NamedTuple):
-    """One tensor's values: each reducer's, in the reducers' order, and the packed histogram."""
+    """One tensor's values as host floats: each reducer's, in their order, and the histogram's.
 
-    results: list[torch.Tensor]
-    histogram: torch.Tensor | None
+    The histogram is packed (``pack_histogram``). Each float is a value of the working dtype
+    (a float32 read exactly), what reading a tensor of them back with ``tolist`` gives: the
+    kernel's buffer is read once, without a tensor per reducer to make and to read back (about
+    25 us a tensor in torch calls).
+    """
+
+    results: list[list[float]]
+    histogram: list[float] | None
+    float64: bool
+    """Whether the working dtype is float64 (the histogram's edges are searched in it)."""
 
 
 class FusedReductions:
@@ -102,7 +110,10 @@ class FusedReductions:
         if profiled.status not in (_native.STATUS_OK, _native.STATUS_MOMENTS_ON_HOST):
             return None
         out = profiled.values
-        moments: torch.Tensor | None = None
+        floats = out.tolist()
+        first = _native.MOMENTS
+        last = first + (0 if plan is None else len(plan.levels))
+        moments = floats[:first]
         if profiled.status == _native.STATUS_MOMENTS_ON_HOST and self._moments:
             found = host_moment_values(
                 HostSummary(
@@ -114,14 +125,10 @@ class FusedReductions:
             )
             if found is None:  # squares that need scaling: the reducers scale them
                 return None
-            moments = host_values(found, dtype)
-        first = _native.MOMENTS
-        last = first + (0 if plan is None else len(plan.levels))
-        results = []
-        for reducer in self._reducers:
-            if isinstance(reducer, QuantileReducer):
-                results.append(torch.from_numpy(out[first:last]))
-            else:
-                results.append(torch.from_numpy(out[:first]) if moments is None else moments)
-        histogram = torch.from_numpy(out[last:]) if bins else None
-        return Fused(results, histogram)
+            moments = np.array(found, dtype=out.dtype).tolist()  # rounded as ``host_values``
+        results = [
+            floats[first:last] if isinstance(reducer, QuantileReducer) else moments
+            for reducer in self._reducers
+        ]
+        histogram = floats[last:] if bins else None
+        return Fused(results, histogram, out.dtype == np.float64)
