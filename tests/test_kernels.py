@@ -140,6 +140,7 @@ def test_order_statistics_equal_numpys_sort(dtype: type[np.floating], numel: int
         many = many.astype(np.int64)
         found = _native.order_statistics(tensor, None, numel, many)
         assert found == np.sort(array)[many].astype(np.float64).tolist()
+        assert _native.order_statistics(tensor, None, numel, many[:0]) == []  # no rank wanted
 
 
 def test_a_strided_tensor_reduces_as_its_contiguous_copy() -> None:

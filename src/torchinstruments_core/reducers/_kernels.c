@@ -342,6 +342,7 @@ DEFINE_SELECT(select_u64, uint64_t, 64)
 #define DEFINE_ORDER(NAME, T, K, KEY, FLOAT, SELECT, KEY_BITS)                                 \
     static int NAME(const T* x, const int64_t* index, int64_t m, const int64_t* ranks,         \
                     int64_t count, double* out) {                                              \
+        if (m <= 0 || count <= 0) return 0; /* nothing to find (and malloc(0) may be NULL) */  \
         K* keys = (K*)malloc((size_t)m * 2 * sizeof(K));                                       \
         K* found = (K*)malloc((size_t)count * sizeof(K));                                      \
         Bucket* buckets = (Bucket*)malloc((size_t)count * (KEY_BITS + 1) * sizeof(Bucket));    \
