@@ -292,6 +292,10 @@ def test_the_fused_path_gives_the_reducers_values_bit_for_bit(
         other = plain.measure(tensor, with_histogram=with_histogram)
         assert one.reason is None
         assert other.reason is None
+        # the kernel call's values are host floats (nothing to transfer), the reducers' tensors
+        assert all(isinstance(r.values, list) for r in one.results) == taken
+        assert isinstance(one.n_finite, float) == taken
+        assert all(isinstance(r.values, torch.Tensor) for r in other.results)
         assert [_listed(r.values) for r in one.results] == [
             _listed(r.values) for r in other.results
         ]
@@ -302,10 +306,68 @@ def test_the_fused_path_gives_the_reducers_values_bit_for_bit(
         if with_histogram:
             assert one.histogram is not None
             assert other.histogram is not None
+            assert isinstance(one.histogram, list) == taken
             assert _listed(one.histogram) == _listed(other.histogram)
             assert one.histogram_float64 == other.histogram_float64
         else:
             assert one.histogram is None
+
+
+def test_a_sample_of_host_floats_and_tensors_builds_the_rows_of_tensors_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sample mixing the kernels' host floats with tensors reads each in its place.
+
+    One sample holds a fused float32 measurement given an extra metric (a 0-d tensor, as a
+    step record's), a measurement by the reducers (tensors), and a fused float64 one. Its rows
+    and histograms equal those of the same sample built from tensors alone, and the transfer
+    is handed the tensors only: the extra metric's, the reducers' and nothing of the kernels'.
+    """
+    from torchinstruments_core import _sample
+    from torchinstruments_core._records import HistogramRecord, Signal, StatRow
+    from torchinstruments_core._sample import Sample, Site
+    from torchinstruments_core._step_records import _add_extra
+    from torchinstruments_core._transfer import HostTransfer
+
+    handed: list[int] = []
+
+    class Transfer(HostTransfer):
+        def __init__(self, tensors: list[torch.Tensor], events: list[torch.cuda.Event]) -> None:
+            handed.append(len(tensors))
+            super().__init__(tensors, events)
+
+    monkeypatch.setattr(_sample, "HostTransfer", Transfer)
+    generator = torch.Generator().manual_seed(3)
+    tensors = [
+        torch.randn(3000, generator=generator),
+        torch.relu(torch.randn(1000, generator=generator)),
+        torch.randn(20_000, generator=generator, dtype=torch.float64),
+    ]
+
+    def built(fused: bool) -> tuple[list[StatRow], list[HistogramRecord]]:
+        measurer = Measurer(default_reducers(), HistogramReducer(bins=16), background=False)
+        plain = Measurer(default_reducers(), HistogramReducer(bins=16), background=False)
+        plain._fused = None
+        first = measurer if fused else plain
+        measurements = [
+            first.measure(tensors[0], with_histogram=True),
+            plain.measure(tensors[1], with_histogram=True),
+            first.measure(tensors[2], with_histogram=True),
+        ]
+        _add_extra((("update_to_weight", torch.tensor(0.125)),), measurements[0])
+        sample = Sample(1, 0, 0.0, None)
+        for path, measurement in zip("abc", measurements, strict=True):
+            sample.add(Site("layer", 0, Signal.OUTPUT, path), measurement)
+        record = sample.build(sample.start_transfer(), run_id="run", rank=0)
+        return list(record.rows), list(record.histograms)
+
+    rows, histograms = built(fused=True)
+    # the extra metric, and the reducers' count, two results and histogram
+    assert handed == [1 + 4]
+    assert (rows, histograms) == built(fused=False)
+    assert handed[1] == 1 + 3 * 4  # the same, and each measurement's four tensors
+    assert len(histograms) == 3
+    assert any(row.metric == "update_to_weight" and row.value == 0.125 for row in rows)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,9 @@
 """Measure one tensor: decide whether it can be reduced, then run the reducers on its device.
 
 Nothing here leaves the device. A ``Measurement`` holds device tensors (or the reason a value is
-missing) until the sample closes and every measurement crosses to the host in one transfer. On
+missing) until the sample closes and every measurement crosses to the host in one transfer;
+where the compiled kernels reduced a CPU tensor in one call (``FusedReductions``), it holds
+their values as host floats instead, which need no transfer. On
 the CPU, where torch leaves a core free, the reducers run on the reduction worker
 (``_background``) on a copy of the tensor: the measurement is then filled in later, and
 ``Measurement.settle`` (called before its values are read) waits for it. Gradients handed to

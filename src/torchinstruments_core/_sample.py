@@ -85,8 +85,6 @@ class Sample:
         gradient_scale: float | torch.Tensor | None,
         kind: RecordKind = RecordKind.FORWARD,
     ) -> None:
-        import torch
-
         self.sample_id = sample_id
         self.kind = kind
         self.step = step

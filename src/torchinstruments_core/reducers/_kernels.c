@@ -217,8 +217,9 @@ static double order_float_f64(uint64_t key) {
 /* The order statistics are found by a radix selection, most significant digit first: a pass
    counts the keys' next digit (below the leading bits they all share), the keys of the digits
    that hold a wanted rank move to scratch memory, a bucket each, and each bucket is split again
-   until it is small (then sorted) or of one key (a ReLU's zeros). Only the wanted buckets are
-   ever moved, so a subsample's keys are read about twice in all, whatever their distribution.
+   until it is small (then sorted) or of one key (a ReLU's zeros). A level reads its keys three
+   times (for the bits they share, to count, to move), and only the wanted buckets go on to the
+   next, which takes at least SELECT_BITS bits more: at most KEY_BITS / SELECT_BITS levels split.
    The counts and the write cursors come in SELECT_LANES copies, key i going to copy i % LANES:
    a run of keys of one digit would otherwise make each count wait for the one before it. */
 #define SELECT_BITS 8
@@ -236,8 +237,9 @@ typedef struct {
 
 /* NAME(keys, scratch, m, ranks, count, found, buckets, rebased): found[j] is the key of rank
    ranks[j] (ascending, in [0, m)) among keys[0..m); the keys are reordered, scratch[0..m) is
-   overwritten. buckets and rebased have room for count * (KEY_BITS + 1) entries: each level of
-   the recursion takes at most ``count`` of each after those of the levels above it. */
+   overwritten. A level that splits takes, after those of the levels above it, a Bucket per
+   wanted digit (at most min(count, SELECT_RADIX)) and ``count`` rebased ranks: buckets and
+   rebased have room for KEY_BITS / SELECT_BITS levels of that. */
 #define DEFINE_SELECT(NAME, K, KEY_BITS)                                                       \
     /* Count the digit at ``shift`` (``mask`` wide) over keys[0..m), note the buckets of the   \
        digits that hold a wanted rank (their ranks rebased to the bucket) and move their keys  \
@@ -329,7 +331,7 @@ typedef struct {
             const Bucket* bucket = &buckets[b];                                                \
             NAME(scratch + bucket->place, keys + bucket->place, bucket->size,                  \
                  rebased + bucket->first, bucket->count, found + bucket->first,                \
-                 buckets + count, rebased + count);                                            \
+                 buckets + parts, rebased + count);                                            \
         }                                                                                      \
     }
 
@@ -338,15 +340,17 @@ DEFINE_SELECT(select_u64, uint64_t, 64)
 
 /* The entries at ``ranks`` (ascending) of the sorted x[index[0..m)] (x[0..m) without index), as
    doubles; -1 where memory runs out. Memory: the keys and as much scratch (8 bytes an entry of
-   float32 in all). */
+   float32 in all), 36 or 72 bytes a rank and up to 32 or 64 KiB of buckets (float32, float64). */
 #define DEFINE_ORDER(NAME, T, K, KEY, FLOAT, SELECT, KEY_BITS)                                 \
     static int NAME(const T* x, const int64_t* index, int64_t m, const int64_t* ranks,         \
                     int64_t count, double* out) {                                              \
         if (m <= 0 || count <= 0) return 0; /* nothing to find (and malloc(0) may be NULL) */  \
         K* keys = (K*)malloc((size_t)m * 2 * sizeof(K));                                       \
+        const size_t levels = KEY_BITS / SELECT_BITS; /* that split, at most */               \
+        const size_t parts = (size_t)(count < SELECT_RADIX ? count : SELECT_RADIX);           \
         K* found = (K*)malloc((size_t)count * sizeof(K));                                      \
-        Bucket* buckets = (Bucket*)malloc((size_t)count * (KEY_BITS + 1) * sizeof(Bucket));    \
-        int64_t* rebased = (int64_t*)malloc((size_t)count * (KEY_BITS + 1) * sizeof(int64_t)); \
+        Bucket* buckets = (Bucket*)malloc(levels * parts * sizeof(Bucket));                    \
+        int64_t* rebased = (int64_t*)malloc(levels * (size_t)count * sizeof(int64_t));         \
         int failed = keys == NULL || found == NULL || buckets == NULL || rebased == NULL;      \
         if (!failed) {                                                                         \
             if (index != NULL)                                                                 \
