@@ -16,9 +16,11 @@ gives nothing and the reducers run as usual.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+import torch
 
 from torchinstruments_core.reducers import _native
 from torchinstruments_core.reducers._host import HostSummary
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from torchinstruments_core.reducers.base import PreparedTensor, Reducer
+    from torchinstruments_core.reducers.functional import QuantilePlan
 
 
 class Fused(NamedTuple):
@@ -55,6 +58,33 @@ class Fused(NamedTuple):
     """Whether the working dtype is float64 (the histogram's edges are searched in it)."""
 
 
+class _Call(NamedTuple):
+    """What ``FusedReductions.reduce`` asks the kernels for a tensor of one size."""
+
+    size: int
+    """Entries in the quartiles' subsample (0: no quartiles)."""
+    drawn: bool
+    """Whether the subsample is drawn (fewer entries than the tensor's)."""
+    plan: QuantilePlan | None
+    bins: int
+    """Histogram bins (0: no histogram)."""
+    last: int
+    """Where the quantiles end in the kernels' values (the histogram follows)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _call(numel: int, sample_size: int | None, bins: int) -> _Call:
+    """The ``_Call`` for ``numel`` entries; ``sample_size`` ``None`` for no quartiles, 0 exact.
+
+    Worked out once per size (a model measures a few sizes a step), not once per tensor.
+    """
+    if sample_size is None:
+        return _Call(0, False, None, bins, _native.MOMENTS)
+    size = numel if sample_size == 0 else subsample_size(numel, sample_size)
+    plan = quantile_plan(size, DEFAULT_QUANTILES)
+    return _Call(size, size != numel, plan, bins, _native.MOMENTS + len(plan.levels))
+
+
 class FusedReductions:
     """What ``reduce`` computes for reducers that are all built in (see ``plan``).
 
@@ -66,8 +96,12 @@ class FusedReductions:
     def __init__(self, reducers: Sequence[Reducer], histogram: HistogramReducer) -> None:
         self._reducers = tuple(reducers)
         quantiles = [r for r in self._reducers if isinstance(r, QuantileReducer)]
-        self._quantiles = quantiles[0] if quantiles else None
+        # ``_call``'s key: None without quartiles, 0 for exact ones, else the subsample's size
+        self._sample_size: int | None = None
+        if quantiles:
+            self._sample_size = 0 if quantiles[0].exact else quantiles[0].sample_size
         self._moments = any(isinstance(r, MomentsReducer) for r in self._reducers)
+        self._quantile_places = tuple(isinstance(r, QuantileReducer) for r in self._reducers)
         self._bins = histogram.bins
 
     @classmethod
@@ -94,41 +128,33 @@ class FusedReductions:
         ``None`` where the kernels cannot read the tensor or the reducers would not take the
         host shortcuts: the reducers then run on it as usual. The quartiles' subsample is drawn
         through ``prepared.random_index``, as ``QuantileReducer`` draws it, so the reducers
-        running after a ``None`` find the same positions.
+        running after a ``None`` find the same positions. On the hooks' path of a small model
+        this Python is about as long as the kernels' call: it does what varies per tensor only.
         """
         values = prepared.values
         if not _native.usable(values):
             return None
-        numel, dtype = prepared.numel, values.dtype
-        quantiles, size, index, plan = self._quantiles, 0, None, None
-        if quantiles is not None:
-            size = numel if quantiles.exact else subsample_size(numel, quantiles.sample_size)
-            index = None if size == numel else prepared.random_index(size)
-            plan = quantile_plan(size, DEFAULT_QUANTILES)
-        bins = self._bins if with_histogram else 0
-        profiled = _native.profile(values, index, size, plan, bins)
-        if profiled.status not in (_native.STATUS_OK, _native.STATUS_MOMENTS_ON_HOST):
+        numel = prepared.numel
+        call = _call(numel, self._sample_size, self._bins if with_histogram else 0)
+        index = prepared.random_index(call.size) if call.drawn else None
+        profiled = _native.profile(values, index, call.size, call.plan, call.bins)
+        status = profiled.status
+        if status != _native.STATUS_OK and status != _native.STATUS_MOMENTS_ON_HOST:
             return None
-        out = profiled.values
-        floats = out.tolist()
-        first = _native.MOMENTS
-        last = first + (0 if plan is None else len(plan.levels))
+        floats = profiled.values.tolist()
+        first, last = _native.MOMENTS, call.last
         moments = floats[:first]
-        if profiled.status == _native.STATUS_MOMENTS_ON_HOST and self._moments:
+        float64 = values.dtype == torch.float64
+        if status == _native.STATUS_MOMENTS_ON_HOST and self._moments:
             found = host_moment_values(
-                HostSummary(
-                    profiled.total, profiled.squares, profiled.lo, profiled.hi, profiled.zeros
-                ),
+                HostSummary(*profiled.summary()),
                 numel,
-                dtype,
+                values.dtype,
                 lambda shift: shifted_squares(prepared, shift, CHUNK_SIZE),
             )
             if found is None:  # squares that need scaling: the reducers scale them
                 return None
-            moments = np.array(found, dtype=out.dtype).tolist()  # rounded as ``host_values``
-        results = [
-            floats[first:last] if isinstance(reducer, QuantileReducer) else moments
-            for reducer in self._reducers
-        ]
-        histogram = floats[last:] if bins else None
-        return Fused(results, histogram, out.dtype == np.float64)
+            moments = np.array(found, dtype=profiled.values.dtype).tolist()  # as ``host_values``
+        quantiles = floats[first:last]
+        results = [quantiles if place else moments for place in self._quantile_places]
+        return Fused(results, floats[last:] if call.bins else None, float64)

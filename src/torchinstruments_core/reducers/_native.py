@@ -68,7 +68,7 @@ def usable(values: torch.Tensor) -> bool:
     """
     if KERNELS is None or type(values) is not torch.Tensor or values.dtype not in _DTYPES:
         return False
-    if values.device.type != "cpu" or values.is_neg() or values._is_zerotensor():
+    if not values.is_cpu or values.is_neg() or values._is_zerotensor():
         return False
     address = values.data_ptr()
     return address != 0 and address % values.element_size() == 0
@@ -151,15 +151,20 @@ class Profiled(NamedTuple):
     status: int
     """``STATUS_OK``, ``STATUS_MOMENTS_ON_HOST``, or as ``Reduced.status`` (then only the sums
     are set, or the order statistics too)."""
-    total: float
-    squares: float
-    lo: float
-    hi: float
-    zeros: int
-    """The sums, extremes and zeros, as ``Reduced`` has them."""
+    numbers: NDArray[np.float64]
+    """The sums, extremes and zeros first (``summary``), then what ``reduce``'s ``out`` holds."""
     values: NDArray[np.floating]
     """In the working dtype: ``MOMENTS`` moments (unset with ``STATUS_MOMENTS_ON_HOST``), a
     quantile a level, then the packed histogram (``_host_binning.pack_histogram``), if asked."""
+
+    def summary(self) -> tuple[float, float, float, float, int]:
+        """The total, the squares, the extremes and the zeros, as ``Reduced`` has them.
+
+        Read only where needed (the moments left to the host): a tensor the kernels finish
+        needs none of them in Python.
+        """
+        total, squares, lo, hi, zeros = self.numbers[:_SUMMARY].tolist()
+        return total, squares, lo, hi, int(zeros)
 
 
 def profile(
@@ -184,15 +189,18 @@ def profile(
         bins: Histogram bins; 0 for no histogram.
     """
     assert KERNELS is not None, "profile needs the compiled kernels (check usable first)"
-    values = _dense(values)
+    if not values.is_contiguous():
+        values = values.contiguous()
     ranks, table = (_NO_RANKS, _NO_TABLE) if plan is None or not size else (plan.ranks, plan.table)
-    levels = table.size // 3
+    dtype = values.dtype
     numbers = np.empty(_SUMMARY + ranks.size + _GRID, dtype=np.float64)
-    out = np.empty(MOMENTS + levels + (bins + 4 if bins else 0), dtype=_NUMPY_DTYPES[values.dtype])
+    out = np.empty(
+        MOMENTS + table.size // 3 + (bins + 4 if bins else 0), dtype=_NUMPY_DTYPES[dtype]
+    )
     status = KERNELS.profile(
         values.data_ptr(),
         values.numel(),
-        _DTYPES[values.dtype],
+        _DTYPES[dtype],
         0 if index is None else index.data_ptr(),
         size,
         ranks,
@@ -201,8 +209,7 @@ def profile(
         numbers,
         out,
     )
-    total, squares, lo, hi, zeros = numbers[:_SUMMARY].tolist()
-    return Profiled(status, total, squares, lo, hi, int(zeros), out)
+    return Profiled(status, numbers, out)
 
 
 def histogram(
