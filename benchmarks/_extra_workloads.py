@@ -1,6 +1,7 @@
 """Workloads beyond the four the targets name, for checking that the figures hold on models of
 other shapes: residual blocks with in-place ReLUs, a recurrent network, a Hugging Face model
-(random weights, no download) and an MNIST-sized MLP, the smallest model people debug on.
+(random weights, no download), an MNIST-sized MLP, the smallest model people debug on, and
+LeNet-5, a small CNN.
 
 ``paired.py --workload extra`` measures them; ``--workload all`` keeps to the four of the
 targets. Each is built like those (``_overhead_workloads.build``: fixed seeds, AdamW).
@@ -29,6 +30,8 @@ DESCRIPTIONS = {
     "hf-gpt2": "Hugging Face GPT2LMHeadModel, random weights (4 layers, n_embd 256, 4 heads, "
     "vocab 1000, its default config otherwise: use_cache on), batch 8, sequence 64, AdamW",
     "mnist-mlp": "MLP 784-256-128-10, ReLU, batch 64, AdamW (the smallest: a 1-5 ms step)",
+    "lenet": "LeNet-5 (conv 6 and 16 ch 5x5, ReLU, max-pool, 120-84-10), 1x28x28, batch 64, "
+    "AdamW (a small CNN: 12 module calls, 23 tensors a sample)",
 }
 
 
@@ -78,6 +81,24 @@ class ResNet20(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.blocks(self.relu(self.bn1(self.conv1(x))))
         return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def lenet() -> nn.Sequential:
+    """LeNet-5 as people write it for MNIST: ReLU and max-pooling, the first convolution padded."""
+    return nn.Sequential(
+        nn.Conv2d(1, 6, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(400, 120),
+        nn.ReLU(),
+        nn.Linear(120, 84),
+        nn.ReLU(),
+        nn.Linear(84, 10),
+    )
 
 
 class LSTMClassifier(nn.Module):
@@ -150,4 +171,6 @@ def parts(
         return _gpt2(), [(x, x) for x, _ in tokens(8, 64, 1000)], _hugging_face
     if name == "mnist-mlp":
         return mlp((784, 256, 128, 10), nn.ReLU), features((64, 1, 28, 28), 10), _classification
+    if name == "lenet":
+        return lenet(), features((64, 1, 28, 28), 10), _classification
     raise ValueError(f"unknown extra workload {name!r}; choose from {', '.join(DESCRIPTIONS)}")

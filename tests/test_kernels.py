@@ -505,6 +505,46 @@ def test_a_cpu_subsample_comes_from_one_seed_of_the_private_generator() -> None:
     assert torch.equal(generator.get_state(), after.get_state())
 
 
+def test_a_sample_takes_one_seed_of_the_generator_for_all_its_sizes() -> None:
+    """With a cache (one sample), the CPU draws of every size come from one generator draw.
+
+    Each size's positions are ``draw_positions`` of the sample's seed mixed with the size
+    (``mix_seed``): different sizes, unrelated positions; the generator moved once.
+    """
+    generator = torch.Generator().manual_seed(4)
+    cache: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+    drawn = {
+        (numel, size): PreparedTensor(torch.randn(numel), generator, cache).random_index(size)
+        for numel, size in [(50_000, 1000), (60_000, 1000), (50_000, 2000), (9, 9000)]
+    }
+    seed = int(torch.randint(2**62, (), generator=torch.Generator().manual_seed(4)))
+    for (numel, size), index in drawn.items():
+        expected = _native.draw_positions(_native.mix_seed(seed, numel, size), numel, size)
+        assert torch.equal(index, expected)
+    assert not torch.equal(drawn[50_000, 1000], drawn[60_000, 1000])
+    assert not torch.equal(drawn[50_000, 1000], drawn[50_000, 2000][:1000])
+    after = torch.Generator().manual_seed(4)
+    torch.randint(2**62, (), generator=after)
+    assert torch.equal(generator.get_state(), after.get_state())
+
+
+def test_mixed_seeds_are_splitmix64_and_differ_by_every_value() -> None:
+    """``mix_seed`` is SplitMix64's output for counter ``value`` of stream ``seed``, chained."""
+    mask = 2**64 - 1
+
+    def splitmix(seed: int, counter: int) -> int:
+        z = (seed + (counter + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    assert _native.mix_seed(7, 3) == splitmix(7, 3)
+    assert _native.mix_seed(7, 3, 5) == splitmix(splitmix(7, 3), 5)
+    assert _native.mix_seed(2**62 - 1, 2**62, 8192) < 2**64
+    seeds = {_native.mix_seed(1, numel, size) for numel in range(1, 40) for size in range(1, 40)}
+    assert len(seeds) == 39 * 39
+
+
 def test_the_kernels_refuse_sizes_out_of_range() -> None:
     """A histogram of no bins or a negative subsample raises, instead of writing anywhere."""
     assert _native.KERNELS is not None

@@ -557,7 +557,9 @@ def test_subsample_positions_are_shared_within_a_sample_only() -> None:
     other_size = PreparedTensor(torch.randn(60_000), generator, cache).random_index(1000)
     assert again is first
     assert other_size is not first
-    assert set(cache) == {(torch.device("cpu"), 50_000, 1000), (torch.device("cpu"), 60_000, 1000)}
+    cpu = torch.device("cpu")
+    # and the sample's seed, under ``numel`` 0 (``PreparedTensor._seed``)
+    assert set(cache) == {(cpu, 50_000, 1000), (cpu, 60_000, 1000), (cpu, 0, 0)}
     assert first.min().item() >= 0
     assert first.max().item() < 50_000
     cache.clear()

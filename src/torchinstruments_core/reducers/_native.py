@@ -295,6 +295,25 @@ _MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 _SHIFTS = tuple(np.uint64(bits) for bits in (30, 27, 31, 11))
 
 
+_MASK64 = 2**64 - 1
+_GAMMA_INT = int(_GOLDEN_GAMMA)
+_MIX_INT = (int(_MIX[0]), int(_MIX[1]))  # SplitMix64's, as the kernels' ``splitmix64``
+
+
+def mix_seed(seed: int, *values: int) -> int:
+    """A 64-bit seed mixed from ``seed`` and ``values`` (non-negative), one SplitMix64 step each.
+
+    Seeds for several draws from one seed of a generator (``PreparedTensor.random_index``):
+    different ``values`` give unrelated streams, the same ones the same stream.
+    """
+    for value in values:
+        z = (seed + (value + 1) * _GAMMA_INT) & _MASK64
+        z = ((z ^ (z >> 30)) * _MIX_INT[0]) & _MASK64
+        z = ((z ^ (z >> 27)) * _MIX_INT[1]) & _MASK64
+        seed = z ^ (z >> 31)
+    return seed
+
+
 def draw_positions(seed: int, numel: int, size: int) -> torch.Tensor:
     """``size`` uniform positions in ``[0, numel)``, with replacement, from a 64-bit ``seed``.
 

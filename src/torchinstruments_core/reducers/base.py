@@ -20,6 +20,8 @@ from torchinstruments_core.reducers._host import HostSummary, host_count, summar
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
+_CPU = torch.device("cpu")
+
 CHUNK_SIZE = 2**22
 """Elements per chunk: 16 MiB of float32 temporaries at most, and exact float32 chunk counts."""
 
@@ -98,6 +100,10 @@ class PreparedTensor:
 
         On the CPU the generator gives a seed and ``_native.draw_positions`` the positions from
         it (a third of ``torch.randint``'s time there); elsewhere ``torch.randint`` draws them.
+        With a cache, the generator gives one seed a sample (kept in the cache under
+        ``numel`` 0, which no tensor has) and each size's draw a seed mixed from it and the
+        size (SplitMix64): one torch call a sample instead of one a size, each about 50 us in a
+        hook, where the model's kernels have left the caches cold.
 
         Tensors of the same sample and the same ``numel`` share one draw: each tensor's subsample
         is still uniform and independent of its values, which is all an error bound needs, and a
@@ -115,14 +121,26 @@ class PreparedTensor:
         if self.device.type == "cpu":
             # one 62-bit seed from the generator, the positions from it (``draw_positions``)
             # on the CPU whatever torch's default device is (``torch.set_default_device``)
-            seed = int(torch.randint(2**62, (), generator=self.generator, device="cpu"))
-            index = _native.draw_positions(seed, self.numel, size)
+            index = _native.draw_positions(self._seed(size), self.numel, size)
         else:
             index = torch.randint(self.numel, (size,), generator=self.generator, device=self.device)
             index = index.sort().values
         if self._index_cache is not None:
             self._index_cache[key] = index
         return index
+
+    def _seed(self, size: int) -> int:
+        """The seed of the CPU positions of ``size`` entries of this tensor (``random_index``)."""
+        cache = self._index_cache
+        key = (_CPU, 0, 0)
+        drawn = None if cache is None else cache.get(key)
+        if drawn is None:
+            # a 0-d tensor: the cache holds tensors; ``device``: whatever the default device is
+            drawn = torch.randint(2**62, (), generator=self.generator, device="cpu")
+            if cache is None:
+                return int(drawn)
+            cache[key] = drawn
+        return _native.mix_seed(int(drawn), self.numel, size)
 
     @property
     def device(self) -> torch.device:
