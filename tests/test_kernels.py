@@ -121,9 +121,13 @@ def _patterns(numel: int) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("numel", [1, 2, 3, 100, 8192, 40_000])
+@pytest.mark.parametrize("numel", [1, 2, 3, 100, 2047, 2048, 2049, 8192, 40_000])
 def test_order_statistics_equal_numpys_sort(dtype: type[np.floating], numel: int) -> None:
-    """The entries at any ranks are those of ``np.sort``, with a gather index and without."""
+    """The entries at any ranks are those of ``np.sort``, with a gather index and without.
+
+    Around 2,048 keys a bucket is counted in one table below and eight from there on
+    (``SELECT_MANY``): both sides of it, at the first split and the ones after.
+    """
     rng = np.random.default_rng(11)
     for pattern in _patterns(numel):
         array = pattern.astype(dtype)
