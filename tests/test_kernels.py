@@ -34,6 +34,7 @@ from torchinstruments_core.reducers import (
 from torchinstruments_core.reducers._fused import FusedReductions
 from torchinstruments_core.reducers._host import _blocked_summary, summarize
 from torchinstruments_core.reducers._host_binning import host_grid
+from torchinstruments_core.reducers.base import IndexCache
 from torchinstruments_core.reducers.functional import DEFAULT_QUANTILES, quantile_plan
 
 pytestmark = pytest.mark.skipif(_native.KERNELS is None, reason="the kernels are not built here")
@@ -516,7 +517,7 @@ def test_a_sample_takes_one_seed_of_the_generator_for_all_its_sizes() -> None:
     (``mix_seed``): different sizes, unrelated positions; the generator moved once.
     """
     generator = torch.Generator().manual_seed(4)
-    cache: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+    cache: IndexCache = {}
     drawn = {
         (numel, size): PreparedTensor(torch.randn(numel), generator, cache).random_index(size)
         for numel, size in [(50_000, 1000), (60_000, 1000), (50_000, 2000), (9, 9000)]
@@ -530,6 +531,16 @@ def test_a_sample_takes_one_seed_of_the_generator_for_all_its_sizes() -> None:
     after = torch.Generator().manual_seed(4)
     torch.randint(2**62, (), generator=after)
     assert torch.equal(generator.get_state(), after.get_state())
+    # the seed is kept as an int (no torch call to read it), under a key no tensor has
+    assert [v for k, v in cache.items() if k[1] < 0] == [seed]
+    with torch.device("meta"):  # a default device elsewhere: drawn and kept on the CPU alike
+        again: IndexCache = {}
+        same = PreparedTensor(
+            torch.randn(50_000, device="cpu"), torch.Generator().manual_seed(4), again
+        )
+        index = same.random_index(1000)
+    assert index.device.type == "cpu"
+    assert torch.equal(index, drawn[50_000, 1000])
 
 
 def test_mixed_seeds_are_splitmix64_and_differ_by_every_value() -> None:

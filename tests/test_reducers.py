@@ -21,6 +21,7 @@ from torchinstruments_core.reducers import (
 )
 from torchinstruments_core.reducers._host import HOST_BLOCK, host_count, host_values, summarize
 from torchinstruments_core.reducers._scaling import power_of_two_scale
+from torchinstruments_core.reducers.base import IndexCache
 from torchinstruments_core.reducers.functional import (
     MOMENT_METRICS,
     count_sorted,
@@ -550,7 +551,7 @@ def test_histogram_edges_are_even_up_to_rounding() -> None:
 
 def test_subsample_positions_are_shared_within_a_sample_only() -> None:
     """Tensors of one size share positions from the cache; a new cache draws anew."""
-    cache: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+    cache: IndexCache = {}
     generator = torch.Generator().manual_seed(0)
     first = PreparedTensor(torch.randn(50_000), generator, cache).random_index(1000)
     again = PreparedTensor(torch.randn(50_000), generator, cache).random_index(1000)
@@ -558,8 +559,8 @@ def test_subsample_positions_are_shared_within_a_sample_only() -> None:
     assert again is first
     assert other_size is not first
     cpu = torch.device("cpu")
-    # and the sample's seed, under ``numel`` 0 (``PreparedTensor._seed``)
-    assert set(cache) == {(cpu, 50_000, 1000), (cpu, 60_000, 1000), (cpu, 0, 0)}
+    # and the sample's seed, under ``numel`` -1 (``PreparedTensor._seed``)
+    assert set(cache) == {(cpu, 50_000, 1000), (cpu, 60_000, 1000), (cpu, -1, -1)}
     assert first.min().item() >= 0
     assert first.max().item() < 50_000
     cache.clear()

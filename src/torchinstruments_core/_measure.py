@@ -38,6 +38,8 @@ from torchinstruments_core.reducers._fused import FusedReductions
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from torchinstruments_core.reducers.base import IndexCache
+
 _MAX_ERROR_TEXT = 200
 
 SMALL_SAMPLE_ENTRIES = 2**19
@@ -209,7 +211,7 @@ class Measurer:
         self._fused = FusedReductions.plan(self.reducers, histogram)
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._index_cache: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+        self._index_cache: IndexCache = {}
         self.background = background
         self._worker = ReductionWorker()
         self._entries = 0  # CPU entries measured since the current forward sample started
@@ -415,7 +417,7 @@ class Measurer:
         plain: torch.Tensor,
         measurement: Measurement,
         with_histogram: bool,
-        cache: dict[tuple[torch.device, int, int], torch.Tensor],
+        cache: IndexCache,
         source_dtype: torch.dtype,
     ) -> None:
         """Run the reducers on ``plain`` into ``measurement``; errors become its reason."""

@@ -228,8 +228,9 @@ static double order_float_f64(uint64_t key) {
    until it is small (then sorted) or of one key (a ReLU's zeros). A level reads its keys three
    times (for the bits they share, to count, to move), and only the wanted buckets go on to the
    next, which takes at least SELECT_BITS bits more: at most KEY_BITS / SELECT_BITS levels split.
-   The counts and the write cursors come in SELECT_LANES copies, key i going to copy i % LANES:
-   a run of keys of one digit would otherwise make each count wait for the one before it. */
+   A bucket of SELECT_MANY keys or more has its counts and write cursors in SELECT_LANES copies,
+   key i going to copy i % LANES: a run of keys of one digit would otherwise make each count wait
+   for the one before it. A smaller one has one copy: clearing and adding eight costs it more. */
 #define SELECT_BITS 8
 #define SELECT_RADIX (1 << SELECT_BITS)
 #define SELECT_LANES 8

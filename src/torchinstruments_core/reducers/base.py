@@ -20,7 +20,11 @@ from torchinstruments_core.reducers._host import HostSummary, host_count, summar
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-_CPU = torch.device("cpu")
+IndexCache = dict[tuple[torch.device, int, int], torch.Tensor | int]
+"""``random_index``'s draws of one sample, by device, ``numel`` and size, and its seed."""
+
+_SEED_KEY = (torch.device("cpu"), -1, -1)
+"""Where a sample's seed is kept in its ``IndexCache``: no tensor has -1 entries."""
 
 CHUNK_SIZE = 2**22
 """Elements per chunk: 16 MiB of float32 temporaries at most, and exact float32 chunk counts."""
@@ -80,7 +84,7 @@ class PreparedTensor:
         self,
         tensor: torch.Tensor,
         generator: torch.Generator,
-        index_cache: dict[tuple[torch.device, int, int], torch.Tensor] | None = None,
+        index_cache: IndexCache | None = None,
     ) -> None:
         self.source_dtype = tensor.dtype
         dtype = working_dtype(tensor.dtype)
@@ -100,10 +104,10 @@ class PreparedTensor:
 
         On the CPU the generator gives a seed and ``_native.draw_positions`` the positions from
         it (a third of ``torch.randint``'s time there); elsewhere ``torch.randint`` draws them.
-        With a cache, the generator gives one seed a sample (kept in the cache under
-        ``numel`` 0, which no tensor has) and each size's draw a seed mixed from it and the
-        size (SplitMix64): one torch call a sample instead of one a size, each about 50 us in a
-        hook, where the model's kernels have left the caches cold.
+        With a cache, the generator gives one seed a sample (kept in the cache as a Python int,
+        under ``numel`` -1, which no tensor has) and each size's draw a seed mixed from it and
+        the size (``_native.mix_seed``, SplitMix64): one torch call a sample instead of one a
+        size, each about 50 us in a hook, where the model's kernels have left the caches cold.
 
         Tensors of the same sample and the same ``numel`` share one draw: each tensor's subsample
         is still uniform and independent of its values, which is all an error bound needs, and a
@@ -116,11 +120,11 @@ class PreparedTensor:
         """
         key = (self.device, self.numel, size)
         cached = None if self._index_cache is None else self._index_cache.get(key)
-        if cached is not None:
+        if isinstance(cached, torch.Tensor):
             return cached
         if self.device.type == "cpu":
-            # one 62-bit seed from the generator, the positions from it (``draw_positions``)
-            # on the CPU whatever torch's default device is (``torch.set_default_device``)
+            # the positions from a 64-bit seed (``_seed``) by ``draw_positions``, on the CPU
+            # whatever torch's default device is (``torch.set_default_device``)
             index = _native.draw_positions(self._seed(size), self.numel, size)
         else:
             index = torch.randint(self.numel, (size,), generator=self.generator, device=self.device)
@@ -130,17 +134,20 @@ class PreparedTensor:
         return index
 
     def _seed(self, size: int) -> int:
-        """The seed of the CPU positions of ``size`` entries of this tensor (``random_index``)."""
+        """The seed of the CPU positions of ``size`` entries of this tensor (``random_index``).
+
+        Without a cache, a 62-bit draw of the generator; with one, the sample's draw (made at
+        its first size) mixed with this tensor's ``numel`` and ``size``.
+        """
         cache = self._index_cache
-        key = (_CPU, 0, 0)
-        drawn = None if cache is None else cache.get(key)
-        if drawn is None:
-            # a 0-d tensor: the cache holds tensors; ``device``: whatever the default device is
-            drawn = torch.randint(2**62, (), generator=self.generator, device="cpu")
+        drawn = None if cache is None else cache.get(_SEED_KEY)
+        if not isinstance(drawn, int):
+            # on the CPU whatever the default device is (``torch.set_default_device``)
+            drawn = int(torch.randint(2**62, (), generator=self.generator, device="cpu"))
             if cache is None:
-                return int(drawn)
-            cache[key] = drawn
-        return _native.mix_seed(int(drawn), self.numel, size)
+                return drawn
+            cache[_SEED_KEY] = drawn
+        return _native.mix_seed(drawn, self.numel, size)
 
     @property
     def device(self) -> torch.device:
