@@ -189,8 +189,7 @@ def profile(
         bins: Histogram bins; 0 for no histogram.
     """
     assert KERNELS is not None, "profile needs the compiled kernels (check usable first)"
-    if not values.is_contiguous():
-        values = values.contiguous()
+    values = _dense(values)
     ranks, table = (_NO_RANKS, _NO_TABLE) if plan is None or not size else (plan.ranks, plan.table)
     dtype = values.dtype
     numbers = np.empty(_SUMMARY + ranks.size + _GRID, dtype=np.float64)
