@@ -35,6 +35,7 @@ from torchinstruments_core import _background as background
 from torchinstruments_core._background import ReductionWorker
 from torchinstruments_core._failures import FailureReport
 from torchinstruments_core._measure import Measurer
+from torchinstruments_core._native_worker import NativeWorker
 from torchinstruments_core._probe import OutputProbe
 from torchinstruments_core._records import Signal
 from torchinstruments_core._sample import Sample, Site
@@ -187,14 +188,14 @@ def _copy_buffers(monkeypatch: Any, *, floor: int, steps: int) -> list[set[int]]
     def watched(self: ReductionWorker, numel: int, dtype: torch.dtype) -> torch.Tensor:
         self.wait()  # the earlier jobs' buffers are spare: as many buffers in every step
         made = buffer(self, numel, dtype)
-        assert self._spare_bytes <= floor
-        assert self._held + self._spare_bytes <= self._budget
+        assert self._spares.bytes <= floor
+        assert self._held + self._spares.bytes <= self._budget
         alive.append(made)
         used[-1].add(id(made))
         return made
 
     def ended(worker: ReductionWorker) -> None:
-        assert worker._spare_bytes <= floor  # what stays between samples
+        assert worker._spares.bytes <= floor  # what stays between samples
         used.append(set())
 
     monkeypatch.setattr(ReductionWorker, "buffer", watched)
@@ -202,7 +203,7 @@ def _copy_buffers(monkeypatch: Any, *, floor: int, steps: int) -> list[set[int]]
     monkeypatch.setattr(OutputProbe, "end_forward", lambda _probe, sample, **_: None)
     used.append(set())
     worker = _sampled_steps(steps, ended, backward=False)
-    assert not worker._spares  # removal frees them
+    assert not worker._spares.bytes  # removal frees them
     return used[:-1]
 
 
@@ -455,43 +456,67 @@ def test_by_default_the_worker_runs_only_where_a_core_is_free(monkeypatch: Any) 
 
 def _submits_per_step(
     monkeypatch: Any, model: nn.Module, batch: torch.Tensor, **options: Any
-) -> tuple[list[int], RecordingSink]:
-    """Jobs handed to the worker in each of three sampled steps, a core free (``None``)."""
+) -> tuple[list[int], RecordingSink, list[int]]:
+    """Jobs handed to the worker in each of three sampled steps, a core free (``None``).
+
+    Also those handed to the kernels' queue (``NativeWorker``), in the third list.
+    """
     import torchinstruments_core._measure as measure_module
 
     monkeypatch.setattr(measure_module, "free_core", lambda: True)
     counts: list[int] = []
+    native: list[int] = []
     submit = ReductionWorker.submit
+    native_submit = NativeWorker.submit
 
     def counted(self: ReductionWorker, *args: Any, **kwargs: Any) -> int | None:
         counts[-1] += 1
         return submit(self, *args, **kwargs)
 
+    def counted_native(self: NativeWorker, *args: Any, **kwargs: Any) -> int | None:
+        native[-1] += 1
+        return native_submit(self, *args, **kwargs)
+
     monkeypatch.setattr(ReductionWorker, "submit", counted)
+    monkeypatch.setattr(NativeWorker, "submit", counted_native)
     sink = RecordingSink()
     with inject_observer(model, sampler=AlwaysSampler(), sink=sink, **options) as observer:
         for step in range(3):
             counts.append(0)
+            native.append(0)
             observer.begin_step(step, sample=True)
             model(batch).pow(2).mean().backward()
             observer.end_step()
-    return counts, sink
+    return counts, sink, native
 
 
-def test_a_small_sample_is_reduced_in_the_hooks_from_the_next_sample_on(monkeypatch: Any) -> None:
-    """After a forward sample of at most ``SMALL_SAMPLE_ENTRIES`` entries, ``None`` means inline.
+def test_a_small_sample_goes_to_the_kernels_queue_from_the_next_sample_on(
+    monkeypatch: Any,
+) -> None:
+    """A forward sample of at most ``SMALL_SAMPLE_ENTRIES`` entries makes ``None`` leave the worker.
 
-    The first sample goes to the worker (nothing is known yet); the next ones, of the same
-    small model, are reduced in the hooks, with the same values. ``True`` keeps the worker.
+    The next samples' tensors go to the kernels' queue, or are reduced in the hooks without
+    one. The first sample goes to the worker (nothing is known yet); the next ones, of the same
+    small model, do not, and give the same values. ``True`` keeps them off the hooks: on the
+    queue where there is one, else on the worker.
     """
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
     batch = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-    counts, sink = _submits_per_step(monkeypatch, model, batch)
+    queue = NativeWorker.available()
+    counts, sink, native = _submits_per_step(monkeypatch, model, batch)
     assert counts[0] > 0
     assert counts[1:] == [0, 0]
-    forced, forced_sink = _submits_per_step(monkeypatch, model, batch, background_reductions=True)
-    assert forced[0] == forced[1] == forced[2] > 0
+    assert native == ([0, counts[0], counts[0]] if queue else [0, 0, 0])
+    forced, forced_sink, forced_native = _submits_per_step(
+        monkeypatch, model, batch, background_reductions=True
+    )
+    assert forced[0] == counts[0]
+    if queue:
+        assert forced[1:] == [0, 0]
+        assert forced_native == [0, forced[0], forced[0]]
+    else:
+        assert forced[1:] == [forced[0]] * 2
     assert [s.rows for s in sink.samples] == [s.rows for s in forced_sink.samples]
 
 
@@ -503,7 +528,7 @@ def test_a_sample_past_the_small_size_keeps_the_worker(monkeypatch: Any) -> None
     model = nn.Sequential(nn.Linear(16, 4096), nn.Linear(4096, 4))
     batch = torch.randn(128, 16, generator=torch.Generator().manual_seed(1))
     assert SMALL_SAMPLE_ENTRIES < 2 * 128 * 4096  # the first output and its gradient alone
-    counts, _ = _submits_per_step(monkeypatch, model, batch)
+    counts, _, _ = _submits_per_step(monkeypatch, model, batch)
     assert all(count >= 4 for count in counts)
 
 
@@ -771,12 +796,12 @@ def test_a_copy_without_a_buffer_still_frees_spares_to_stay_within_the_budget() 
         measurer.measure(torch.randn(2**20), with_histogram=False)
     gate.set()
     measurer.wait()
-    assert worker._spare_bytes == 8 * 2**20
+    assert worker._spares.bytes == 8 * 2**20
     gate.clear()  # the next job stays on the worker: its 8 MiB are held meanwhile
     measurer.measure(torch.randn(2 * 2**20), with_histogram=False, scale=2.0)
     try:
         assert worker._held == 8 * 2**20
-        assert worker._held + worker._spare_bytes <= worker._budget
+        assert worker._held + worker._spares.bytes <= worker._budget
     finally:
         gate.set()
         measurer.wait()
@@ -789,7 +814,7 @@ def test_a_forked_child_copies_without_the_lock_and_keeps_no_spares() -> None:
     worker = measurer._worker
     measurer.measure(torch.randn(64), with_histogram=False)
     measurer.wait()
-    assert worker._spares  # inherited by a child
+    assert worker._spares.bytes  # inherited by a child
     worker._pid = -1  # as seen from a child made by fork
     locked, release, done = threading.Event(), threading.Event(), threading.Event()
 
@@ -812,7 +837,7 @@ def test_a_forked_child_copies_without_the_lock_and_keeps_no_spares() -> None:
     child.start()
     try:
         assert done.wait(5)
-        assert not worker._spares
+        assert not worker._spares.bytes
     finally:
         release.set()
         holder.join()
@@ -923,7 +948,7 @@ def test_a_spare_is_reused_only_for_a_copy_of_its_dtype() -> None:
     spare = worker.buffer(16, torch.float32)
     worker.submit(64, lambda: ((lambda: None), spare))
     worker.wait()
-    assert worker._spares[0] is spare
+    assert worker._spares.bytes == spare.numel() * spare.element_size()
     wide = worker.buffer(16, torch.float64)
     assert wide.dtype == torch.float64
     assert wide is not spare
@@ -947,7 +972,7 @@ def test_closing_with_jobs_queued_keeps_no_spare_buffer() -> None:
     gate.set()
     closer.join()
     assert worker._finished == 1
-    assert not worker._spares
+    assert not worker._spares.bytes
 
 
 def test_the_worker_reads_each_gradient_itself_not_a_copy(monkeypatch: Any) -> None:
@@ -1627,8 +1652,12 @@ def test_a_hook_waiting_for_room_wakes_the_worker_for_the_jobs_that_hold_it() ->
     worker.close()
 
 
-def test_the_end_of_a_sampled_forward_starts_the_worker_on_its_outputs() -> None:
-    """Outputs too small to wake the worker are reduced during the backward, not after it."""
+def test_the_end_of_a_sampled_forward_starts_the_worker_on_its_outputs(monkeypatch: Any) -> None:
+    """Outputs too small to wake the worker are reduced during the backward, not after it.
+
+    Without the kernels' queue, which would take the second sample (a small one).
+    """
+    monkeypatch.setattr(NativeWorker, "available", staticmethod(lambda: False))
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     observer = inject_observer(model, sink=RecordingSink(), background_reductions=True)
     worker = observer._config.measurer._worker
@@ -1660,15 +1689,21 @@ def test_gradient_hooks_share_one_eager_wrapper_made_once_per_observer() -> None
 
 
 def _copies_per_sample(monkeypatch: Any, model: nn.Module, steps: int) -> list[list[int]]:
-    """The sizes of the copies each sampled step made for the worker (its ``buffer`` calls)."""
+    """The sizes of the copies each sampled step made for a worker (their ``buffer`` calls).
+
+    The Python worker's, or the kernels' queue's (``NativeWorker``), which a small sample's
+    tensors go to.
+    """
     copied: list[list[int]] = []
-    buffer = ReductionWorker.buffer
+    for worker in (ReductionWorker, NativeWorker):
 
-    def watched(self: ReductionWorker, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        copied[-1].append(numel)
-        return buffer(self, numel, dtype)
+        def watched(
+            self: Any, numel: int, dtype: torch.dtype, buffer: Any = worker.buffer
+        ) -> torch.Tensor:
+            copied[-1].append(numel)
+            return buffer(self, numel, dtype)
 
-    monkeypatch.setattr(ReductionWorker, "buffer", watched)
+        monkeypatch.setattr(worker, "buffer", watched)
     with inject_observer(
         model, sampler=AlwaysSampler(), sink=RecordingSink(), background_reductions=True
     ) as observer:

@@ -20,7 +20,6 @@ import functools
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import torch
 
 from torchinstruments_core.reducers import _native
 from torchinstruments_core.reducers._host import HostSummary
@@ -37,7 +36,7 @@ from torchinstruments_core.reducers.moments import MomentsReducer
 from torchinstruments_core.reducers.quantiles import QuantileReducer
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from torchinstruments_core.reducers.base import PreparedTensor, Reducer
     from torchinstruments_core.reducers.functional import QuantilePlan
@@ -61,6 +60,8 @@ class Fused(NamedTuple):
 class _Call(NamedTuple):
     """What ``FusedReductions.reduce`` asks the kernels for a tensor of one size."""
 
+    numel: int
+    """Entries of the tensor."""
     size: int
     """Entries in the quartiles' subsample (0: no quartiles)."""
     drawn: bool
@@ -79,10 +80,10 @@ def _call(numel: int, sample_size: int | None, bins: int) -> _Call:
     Worked out once per size (a model measures a few sizes a step), not once per tensor.
     """
     if sample_size is None:
-        return _Call(0, False, None, bins, _native.MOMENTS)
+        return _Call(numel, 0, False, None, bins, _native.MOMENTS)
     size = numel if sample_size == 0 else subsample_size(numel, sample_size)
     plan = quantile_plan(size, DEFAULT_QUANTILES)
-    return _Call(size, size != numel, plan, bins, _native.MOMENTS + len(plan.levels))
+    return _Call(numel, size, size != numel, plan, bins, _native.MOMENTS + len(plan.levels))
 
 
 class FusedReductions:
@@ -122,6 +123,10 @@ class FusedReductions:
             return None
         return cls(reducers, histogram)
 
+    def call(self, numel: int, with_histogram: bool) -> _Call:
+        """What to ask the kernels for a tensor of ``numel`` entries (``reduce``, ``finish``)."""
+        return _call(numel, self._sample_size, self._bins if with_histogram else 0)
+
     def reduce(self, prepared: PreparedTensor, with_histogram: bool) -> Fused | None:
         """Every reducer's values (and the histogram's) for ``prepared``, or ``None``.
 
@@ -134,23 +139,33 @@ class FusedReductions:
         values = prepared.values
         if not _native.usable(values):
             return None
-        numel = prepared.numel
-        call = _call(numel, self._sample_size, self._bins if with_histogram else 0)
+        call = self.call(prepared.numel, with_histogram)
         index = prepared.random_index(call.size) if call.drawn else None
         profiled = _native.profile(values, index, call.size, call.plan, call.bins)
+        return self.finish(profiled, call, lambda: prepared)
+
+    def finish(
+        self, profiled: _native.Profiled, call: _Call, prepared: Callable[[], PreparedTensor]
+    ) -> Fused | None:
+        """The values of ``profiled``, the kernels' output for ``call``, or ``None`` (``reduce``).
+
+        ``prepared`` gives the tensor, for the second pass of moments left to the host (its
+        squares about a shift); it is called only then.
+        """
         status = profiled.status
         if status != _native.STATUS_OK and status != _native.STATUS_MOMENTS_ON_HOST:
             return None
         floats = profiled.values.tolist()
         first, last = _native.MOMENTS, call.last
         moments = floats[:first]
-        float64 = values.dtype == torch.float64
+        float64 = profiled.values.dtype == np.float64
         if status == _native.STATUS_MOMENTS_ON_HOST and self._moments:
+            tensor = prepared()
             found = host_moment_values(
                 HostSummary(*profiled.summary()),
-                numel,
-                values.dtype,
-                lambda shift: shifted_squares(prepared, shift, CHUNK_SIZE),
+                call.numel,
+                tensor.values.dtype,
+                lambda shift: shifted_squares(tensor, shift, CHUNK_SIZE),
             )
             if found is None:  # squares that need scaling: the reducers scale them
                 return None

@@ -684,6 +684,34 @@ enum { STATUS_MOMENTS_ON_HOST = 4 };
 DEFINE_FINISH(finish_f32, float, FLT_MIN, FLT_EPSILON, FLT_MAX)
 DEFINE_FINISH(finish_f64, double, DBL_MIN, DBL_EPSILON, DBL_MAX)
 
+enum { STATUS_NO_MEMORY = 8 };
+
+/* What ``profile`` computes, without the GIL: ``reduce_into``, then ``finish_*`` when it wrote
+   everything. STATUS_NO_MEMORY where a table could not be allocated (nothing usable written). */
+static int profile_run(const void* data, int64_t n, int64_t dtype, const void* index, int64_t m,
+                       const int64_t* ranks, int64_t count, const double* levels,
+                       int64_t nlevels, int64_t bins, double* numbers, void* values) {
+    uint32_t* lanes = NULL;
+    int64_t* counts = NULL;
+    if (bins > 0) {
+        lanes = (uint32_t*)calloc((size_t)BIN_LANES * (size_t)(bins + 1), sizeof(uint32_t));
+        counts = (int64_t*)malloc(sizeof(int64_t) * (size_t)(bins + 1));
+    }
+    int status = STATUS_OK, failed = bins > 0 && (lanes == NULL || counts == NULL);
+    if (!failed) {
+        status = reduce_into(data, n, dtype, index, m, ranks, count, bins, lanes, numbers, counts,
+                             &failed);
+        if (!failed && status == STATUS_OK)
+            status = dtype == DTYPE_FLOAT32 ? finish_f32(numbers, n, count, levels, nlevels, bins,
+                                                         counts, (float*)values)
+                                            : finish_f64(numbers, n, count, levels, nlevels, bins,
+                                                         counts, (double*)values);
+    }
+    free(counts);
+    free(lanes);
+    return failed ? STATUS_NO_MEMORY : status;
+}
+
 /* A writable (or readable) contiguous buffer of at least ``bytes`` bytes, or an error. */
 static int get_buffer(PyObject* object, Py_buffer* view, Py_ssize_t bytes, int writable,
                       const char* what) {
@@ -728,6 +756,64 @@ static int valid_plan(const Py_buffer* ranks, const Py_buffer* levels, int64_t m
     return 0;
 }
 
+/* ``profile``'s arguments, read and checked; ``views`` hold its four buffers until
+   ``release_views``. */
+typedef struct {
+    void* data;
+    int64_t n, dtype;
+    void* index;
+    int64_t m, count, nlevels, bins;
+    Py_buffer views[4]; /* ranks, levels, numbers, values */
+} ProfileArgs;
+
+static void release_views(ProfileArgs* a, int held) {
+    for (int i = held - 1; i >= 0; i--) PyBuffer_Release(&a->views[i]);
+}
+
+/* Reads ``profile``'s ten arguments into ``a`` (views held on success). ``indexed``: the
+   subsample's positions come from elsewhere than ``index`` (a seed), so they may exceed the
+   first ``n``; ``status_slot``: ``numbers`` holds one more float64, the status's. */
+static int profile_args(PyObject* const* args, const char* name, int indexed, int status_slot,
+                        ProfileArgs* a) {
+    if (as_pointer(args[0], &a->data) || as_int64(args[1], &a->n) ||
+        as_int64(args[2], &a->dtype) || as_pointer(args[3], &a->index) ||
+        as_int64(args[4], &a->m) || as_int64(args[7], &a->bins))
+        return -1;
+    if (a->bins < 0 || a->bins > INT32_MAX - 1 || a->m < 0 || a->n < 1 ||
+        (a->dtype != DTYPE_FLOAT32 && a->dtype != DTYPE_FLOAT64)) {
+        PyErr_Format(PyExc_ValueError, "%s: a size is out of range", name);
+        return -1;
+    }
+    Py_buffer* ranks = &a->views[0];
+    Py_buffer* levels = &a->views[1];
+    if (get_buffer(args[5], ranks, 0, 0, "ranks")) return -1;
+    if (get_buffer(args[6], levels, 0, 0, "levels")) {
+        release_views(a, 1);
+        return -1;
+    }
+    a->count = a->m > 0 ? (int64_t)(ranks->len / (Py_ssize_t)sizeof(int64_t)) : 0;
+    a->nlevels = a->m > 0 ? (int64_t)(levels->len / (Py_ssize_t)(3 * sizeof(double))) : 0;
+    if (!valid_plan(ranks, levels, a->m, a->n, indexed || a->index != NULL)) {
+        release_views(a, 2);
+        return -1;
+    }
+    if (a->count == 0) a->m = 0; /* no rank wanted: no order statistics, no quantiles */
+    if (a->m == 0) a->nlevels = 0;
+    Py_ssize_t itemsize = a->dtype == DTYPE_FLOAT32 ? sizeof(float) : sizeof(double);
+    Py_ssize_t needed =
+        (Py_ssize_t)(MOMENTS + a->nlevels + (a->bins > 0 ? a->bins + 4 : 0)) * itemsize;
+    Py_ssize_t numbers = (Py_ssize_t)(5 + a->count + 4 + status_slot) * (Py_ssize_t)sizeof(double);
+    if (get_buffer(args[8], &a->views[2], numbers, 1, "numbers")) {
+        release_views(a, 2);
+        return -1;
+    }
+    if (get_buffer(args[9], &a->views[3], needed, 1, "values")) {
+        release_views(a, 3);
+        return -1;
+    }
+    return 0;
+}
+
 /* profile(data, n, dtype, index, m, ranks, levels, bins, numbers, values) -> status
  *
  * ``reduce``, then the values of the default profile (``finish_*``): ``ranks`` (int64) and
@@ -738,75 +824,16 @@ static int valid_plan(const Py_buffer* ranks, const Py_buffer* levels, int64_t m
  */
 static PyObject* profile(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
     (void)module;
-    void *data, *index;
-    int64_t n, dtype, m, bins;
-    if (check_args(nargs, 10, "profile") || as_pointer(args[0], &data) ||
-        as_int64(args[1], &n) || as_int64(args[2], &dtype) || as_pointer(args[3], &index) ||
-        as_int64(args[4], &m) || as_int64(args[7], &bins))
-        return NULL;
-    if (bins < 0 || bins > INT32_MAX - 1 || m < 0 || n < 1 ||
-        (dtype != DTYPE_FLOAT32 && dtype != DTYPE_FLOAT64)) {
-        PyErr_SetString(PyExc_ValueError, "profile: a size is out of range");
-        return NULL;
-    }
-    Py_buffer ranks, levels, numbers, values;
-    if (get_buffer(args[5], &ranks, 0, 0, "ranks")) return NULL;
-    int64_t count = m > 0 ? (int64_t)(ranks.len / (Py_ssize_t)sizeof(int64_t)) : 0;
-    if (get_buffer(args[6], &levels, 0, 0, "levels")) {
-        PyBuffer_Release(&ranks);
-        return NULL;
-    }
-    int64_t nlevels = m > 0 ? (int64_t)(levels.len / (Py_ssize_t)(3 * sizeof(double))) : 0;
-    if (!valid_plan(&ranks, &levels, m, n, index != NULL)) {
-        PyBuffer_Release(&levels);
-        PyBuffer_Release(&ranks);
-        return NULL;
-    }
-    if (count == 0) m = 0; /* no rank wanted: no order statistics, no quantiles */
-    if (m == 0) nlevels = 0;
-    Py_ssize_t itemsize = dtype == DTYPE_FLOAT32 ? sizeof(float) : sizeof(double);
-    Py_ssize_t needed = (Py_ssize_t)(MOMENTS + nlevels + (bins > 0 ? bins + 4 : 0)) * itemsize;
-    if (get_buffer(args[8], &numbers, (Py_ssize_t)(5 + count + 4) * (Py_ssize_t)sizeof(double), 1,
-                   "numbers")) {
-        PyBuffer_Release(&levels);
-        PyBuffer_Release(&ranks);
-        return NULL;
-    }
-    if (get_buffer(args[9], &values, needed, 1, "values")) {
-        PyBuffer_Release(&numbers);
-        PyBuffer_Release(&levels);
-        PyBuffer_Release(&ranks);
-        return NULL;
-    }
-    uint32_t* lanes = NULL;
-    int64_t* counts = NULL;
-    if (bins > 0) {
-        lanes = (uint32_t*)calloc((size_t)BIN_LANES * (size_t)(bins + 1), sizeof(uint32_t));
-        counts = (int64_t*)malloc(sizeof(int64_t) * (size_t)(bins + 1));
-    }
-    int status = STATUS_OK, failed = bins > 0 && (lanes == NULL || counts == NULL);
-    if (!failed) {
-        Py_BEGIN_ALLOW_THREADS
-        status = reduce_into(data, n, dtype, index, m, (const int64_t*)ranks.buf, count, bins,
-                             lanes, (double*)numbers.buf, counts, &failed);
-        if (!failed && status == STATUS_OK) {
-            status = dtype == DTYPE_FLOAT32
-                         ? finish_f32((const double*)numbers.buf, n, count,
-                                      (const double*)levels.buf, nlevels, bins, counts,
-                                      (float*)values.buf)
-                         : finish_f64((const double*)numbers.buf, n, count,
-                                      (const double*)levels.buf, nlevels, bins, counts,
-                                      (double*)values.buf);
-        }
-        Py_END_ALLOW_THREADS
-    }
-    free(counts);
-    free(lanes);
-    PyBuffer_Release(&values);
-    PyBuffer_Release(&numbers);
-    PyBuffer_Release(&levels);
-    PyBuffer_Release(&ranks);
-    if (failed) return PyErr_NoMemory();
+    ProfileArgs a;
+    if (check_args(nargs, 10, "profile") || profile_args(args, "profile", 0, 0, &a)) return NULL;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = profile_run(a.data, a.n, a.dtype, a.index, a.m, (const int64_t*)a.views[0].buf,
+                         a.count, (const double*)a.views[1].buf, a.nlevels, a.bins,
+                         (double*)a.views[2].buf, a.views[3].buf);
+    Py_END_ALLOW_THREADS
+    release_views(&a, 4);
+    if (status == STATUS_NO_MEMORY) return PyErr_NoMemory();
     return PyLong_FromLong(status);
 }
 
@@ -907,6 +934,258 @@ static PyObject* draw(PyObject* module, PyObject* const* args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* ---- the reduction queue: ``profile`` on a thread of its own, which never takes the GIL -------
+ *
+ * On the CPU a sampled tensor's hook copies it (or keeps a gradient as it is) and queues its
+ * ``profile`` here; a native thread runs the jobs in order while the model computes, and the
+ * caller reads each job's values once ``queue_finished`` (or ``queue_wait``) says it has run.
+ * The thread runs no Python, so the training thread never waits for the GIL on its account.
+ * The caller (``_native_worker.py``) keeps every buffer a job reads or writes alive until then:
+ * a job holds their addresses only. POSIX threads; elsewhere (Windows) the module has no queue.
+ * A queue belongs to the process that made it: in a child made by ``fork``, which has no thread,
+ * every call raises, and the child reduces in its hooks. */
+#ifndef _WIN32
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+#define TI_QUEUE 1
+
+typedef struct Job {
+    struct Job* next;
+    const void* data;
+    int64_t n, dtype, m, count, nlevels, bins;
+    const void* index;
+    int drawn; /* the positions are drawn from ``seed`` into a table of the job's own */
+    uint64_t seed;
+    const int64_t* ranks;
+    const double* levels;
+    double* numbers; /* the status goes after what ``profile`` writes: numbers[5 + count + 4] */
+    void* values;
+} Job;
+
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t work; /* the thread waits here for jobs */
+    pthread_cond_t done; /* callers wait here for finished jobs */
+    Job *head, *tail;
+    int64_t submitted, finished;
+    int waiters, closing, started;
+    pthread_t thread;
+    pid_t pid;
+} Queue;
+
+static const char QUEUE_NAME[] = "torchinstruments.reduction_queue";
+
+static void job_run(Job* job) {
+    int64_t* drawn = NULL;
+    const void* index = job->index;
+    int status;
+    if (job->drawn && job->m > 0) {
+        drawn = (int64_t*)malloc(sizeof(int64_t) * (size_t)job->m);
+        if (drawn != NULL) positions(job->seed, job->n, job->m, drawn);
+        index = drawn;
+    }
+    if (job->drawn && job->m > 0 && drawn == NULL)
+        status = STATUS_NO_MEMORY;
+    else
+        status = profile_run(job->data, job->n, job->dtype, index, job->m, job->ranks, job->count,
+                             job->levels, job->nlevels, job->bins, job->numbers, job->values);
+    free(drawn);
+    job->numbers[5 + job->count + 4] = (double)status;
+}
+
+static void* queue_main(void* argument) {
+    Queue* q = (Queue*)argument;
+    pthread_mutex_lock(&q->lock);
+    for (;;) {
+        while (q->head == NULL && !q->closing) pthread_cond_wait(&q->work, &q->lock);
+        Job* job = q->head;
+        if (job == NULL) break; /* closing, and every job has run */
+        q->head = job->next;
+        if (q->head == NULL) q->tail = NULL;
+        pthread_mutex_unlock(&q->lock);
+        job_run(job);
+        free(job);
+        pthread_mutex_lock(&q->lock);
+        q->finished++;
+        if (q->waiters) pthread_cond_broadcast(&q->done);
+    }
+    pthread_mutex_unlock(&q->lock);
+    return NULL;
+}
+
+/* Stops the thread once every queued job has run (GIL held or not: the thread never takes it). */
+static void queue_stop(Queue* q) {
+    pthread_mutex_lock(&q->lock);
+    q->closing = 1;
+    int started = q->started;
+    q->started = 0;
+    pthread_cond_signal(&q->work);
+    pthread_mutex_unlock(&q->lock);
+    if (started) pthread_join(q->thread, NULL);
+}
+
+static void queue_destroy(PyObject* capsule) {
+    Queue* q = (Queue*)PyCapsule_GetPointer(capsule, QUEUE_NAME);
+    if (q == NULL || q->pid != getpid()) return; /* a child made by fork: its copy is left as is */
+    queue_stop(q);
+    pthread_cond_destroy(&q->done);
+    pthread_cond_destroy(&q->work);
+    pthread_mutex_destroy(&q->lock);
+    free(q);
+}
+
+/* The queue in ``capsule``, or NULL with an error (not a queue, or another process's). */
+static Queue* queue_of(PyObject* capsule) {
+    Queue* q = (Queue*)PyCapsule_GetPointer(capsule, QUEUE_NAME);
+    if (q != NULL && q->pid != getpid()) {
+        PyErr_SetString(PyExc_RuntimeError, "the reduction queue belongs to another process");
+        return NULL;
+    }
+    return q;
+}
+
+/* queue_new() -> queue: an empty queue; its thread starts with the first job. */
+static PyObject* queue_new(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    (void)args;
+    if (check_args(nargs, 0, "queue_new")) return NULL;
+    Queue* q = (Queue*)calloc(1, sizeof(Queue));
+    if (q == NULL) return PyErr_NoMemory();
+    if (pthread_mutex_init(&q->lock, NULL) || pthread_cond_init(&q->work, NULL) ||
+        pthread_cond_init(&q->done, NULL)) {
+        free(q); /* initializers fail only for want of memory or of a system resource */
+        return PyErr_NoMemory();
+    }
+    q->pid = getpid();
+    PyObject* capsule = PyCapsule_New(q, QUEUE_NAME, queue_destroy);
+    if (capsule == NULL) {
+        pthread_cond_destroy(&q->done);
+        pthread_cond_destroy(&q->work);
+        pthread_mutex_destroy(&q->lock);
+        free(q);
+    }
+    return capsule;
+}
+
+/* Starts the thread with every signal blocked (they go to Python's threads); lock held. */
+static int queue_start(Queue* q) {
+    sigset_t all, previous;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &previous);
+    int failed = pthread_create(&q->thread, NULL, queue_main, q);
+    pthread_sigmask(SIG_SETMASK, &previous, NULL);
+    q->started = !failed;
+    return failed;
+}
+
+/* queue_submit(queue, seed, data, n, dtype, index, m, ranks, levels, bins, numbers, values)
+ *     -> ticket
+ *
+ * Queues ``profile``'s work on the last ten arguments (see there); ``seed`` (an int, or None)
+ * draws the ``m`` positions of the subsample as ``draw`` does, in place of ``index`` (then 0).
+ * ``numbers`` holds one float64 more than ``profile``'s, after the grid, where the job writes
+ * its status (STATUS_NO_MEMORY: nothing usable). The ticket counts the jobs submitted, this one
+ * included; where no thread can start, the job runs here, before returning.
+ */
+static PyObject* queue_submit(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    if (check_args(nargs, 12, "queue_submit")) return NULL;
+    Queue* q = queue_of(args[0]);
+    if (q == NULL) return NULL;
+    int drawn = args[1] != Py_None;
+    unsigned long long seed = 0;
+    if (drawn) {
+        seed = PyLong_AsUnsignedLongLong(args[1]);
+        if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    }
+    ProfileArgs a;
+    if (profile_args(args + 2, "queue_submit", drawn, 1, &a)) return NULL;
+    if (drawn && a.index != NULL) {
+        release_views(&a, 4);
+        PyErr_SetString(PyExc_ValueError, "queue_submit: a seed and an index");
+        return NULL;
+    }
+    Job* job = (Job*)malloc(sizeof(Job));
+    if (job == NULL) {
+        release_views(&a, 4);
+        return PyErr_NoMemory();
+    }
+    *job = (Job){NULL, a.data, a.n, a.dtype, a.m, a.count, a.nlevels, a.bins, a.index, drawn,
+                 (uint64_t)seed, (const int64_t*)a.views[0].buf, (const double*)a.views[1].buf,
+                 (double*)a.views[2].buf, a.views[3].buf};
+    release_views(&a, 4); /* the caller keeps the buffers alive until the job has run */
+    int64_t ticket;
+    int inline_job = 0;
+    pthread_mutex_lock(&q->lock);
+    if (!q->closing && (q->started || queue_start(q) == 0)) {
+        if (q->tail == NULL)
+            q->head = job;
+        else
+            q->tail->next = job;
+        q->tail = job;
+        pthread_cond_signal(&q->work);
+    } else {
+        inline_job = 1;
+    }
+    ticket = ++q->submitted;
+    pthread_mutex_unlock(&q->lock);
+    if (inline_job) { /* closed, or no thread: run it now, and count it as finished */
+        Py_BEGIN_ALLOW_THREADS
+        job_run(job);
+        Py_END_ALLOW_THREADS
+        free(job);
+        pthread_mutex_lock(&q->lock);
+        q->finished++;
+        if (q->waiters) pthread_cond_broadcast(&q->done);
+        pthread_mutex_unlock(&q->lock);
+    }
+    return PyLong_FromLongLong(ticket);
+}
+
+/* queue_finished(queue) -> int: how many jobs have run (they run in the order submitted). */
+static PyObject* queue_finished(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    if (check_args(nargs, 1, "queue_finished")) return NULL;
+    Queue* q = queue_of(args[0]);
+    if (q == NULL) return NULL;
+    pthread_mutex_lock(&q->lock);
+    int64_t finished = q->finished;
+    pthread_mutex_unlock(&q->lock);
+    return PyLong_FromLongLong(finished);
+}
+
+/* queue_wait(queue, ticket): block, with the GIL released, until job ``ticket`` has run. */
+static PyObject* queue_wait(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    int64_t ticket;
+    if (check_args(nargs, 2, "queue_wait") || as_int64(args[1], &ticket)) return NULL;
+    Queue* q = queue_of(args[0]);
+    if (q == NULL) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&q->lock);
+    if (ticket > q->submitted) ticket = q->submitted;
+    q->waiters++;
+    while (q->finished < ticket) pthread_cond_wait(&q->done, &q->lock);
+    q->waiters--;
+    pthread_mutex_unlock(&q->lock);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* queue_close(queue): run what is queued, then stop the thread; later jobs run in the caller. */
+static PyObject* queue_close(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    if (check_args(nargs, 1, "queue_close")) return NULL;
+    Queue* q = queue_of(args[0]);
+    if (q == NULL) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    queue_stop(q);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+#endif
+
 /* crc32c(data) -> int: the CRC-32C of a bytes-like object. */
 static PyObject* crc32c_of(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
     (void)module;
@@ -936,6 +1215,18 @@ static PyMethodDef methods[] = {
      "Uniform positions of a subsample, from a seed."},
     {"crc32c", (PyCFunction)(void (*)(void))crc32c_of, METH_FASTCALL,
      "The CRC-32C of a bytes-like object."},
+#ifdef TI_QUEUE
+    {"queue_new", (PyCFunction)(void (*)(void))queue_new, METH_FASTCALL,
+     "An empty reduction queue, whose thread runs profile's jobs without the GIL."},
+    {"queue_submit", (PyCFunction)(void (*)(void))queue_submit, METH_FASTCALL,
+     "Queue profile's work on one tensor; returns the job's ticket."},
+    {"queue_finished", (PyCFunction)(void (*)(void))queue_finished, METH_FASTCALL,
+     "How many of the queue's jobs have run."},
+    {"queue_wait", (PyCFunction)(void (*)(void))queue_wait, METH_FASTCALL,
+     "Block until the job with a ticket has run."},
+    {"queue_close", (PyCFunction)(void (*)(void))queue_close, METH_FASTCALL,
+     "Run what is queued, then stop the queue's thread."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

@@ -190,16 +190,11 @@ def profile(
     """
     assert KERNELS is not None, "profile needs the compiled kernels (check usable first)"
     values = _dense(values)
-    ranks, table = (_NO_RANKS, _NO_TABLE) if plan is None or not size else (plan.ranks, plan.table)
-    dtype = values.dtype
-    numbers = np.empty(_SUMMARY + ranks.size + _GRID, dtype=np.float64)
-    out = np.empty(
-        MOMENTS + table.size // 3 + (bins + 4 if bins else 0), dtype=_NUMPY_DTYPES[dtype]
-    )
+    ranks, table, numbers, out = _profile_buffers(values.dtype, size, plan, bins, status=False)
     status = KERNELS.profile(
         values.data_ptr(),
         values.numel(),
-        _DTYPES[dtype],
+        _DTYPES[values.dtype],
         0 if index is None else index.data_ptr(),
         size,
         ranks,
@@ -209,6 +204,116 @@ def profile(
         out,
     )
     return Profiled(status, numbers, out)
+
+
+def _profile_buffers(
+    dtype: torch.dtype, size: int, plan: QuantilePlan | None, bins: int, *, status: bool
+) -> tuple[NDArray[np.int64], NDArray[np.float64], NDArray[np.float64], NDArray[np.floating]]:
+    """``profile``'s ranks and levels, and the buffers it writes (``status``: one float more)."""
+    ranks, table = (_NO_RANKS, _NO_TABLE) if plan is None or not size else (plan.ranks, plan.table)
+    numbers = np.empty(_SUMMARY + ranks.size + _GRID + status, dtype=np.float64)
+    out = np.empty(
+        MOMENTS + table.size // 3 + (bins + 4 if bins else 0), dtype=_NUMPY_DTYPES[dtype]
+    )
+    return ranks, table, numbers, out
+
+
+QUEUE = KERNELS is not None and hasattr(KERNELS, "queue_new")
+"""Whether the kernels have their reduction queue (a thread that runs ``profile`` without the
+GIL: ``queue_submit``); a build for Windows has none."""
+
+
+def new_queue() -> object:
+    """An empty reduction queue of the kernels (its thread starts with the first job)."""
+    assert KERNELS is not None, "new_queue needs the kernels' queue (check QUEUE)"
+    assert QUEUE, "new_queue needs the kernels' queue (check QUEUE)"
+    return KERNELS.queue_new()
+
+
+class Queued(NamedTuple):
+    """A ``profile`` handed to a reduction queue (``submit_profile``), and what keeps it going.
+
+    Every buffer the job reads or writes is held here: the queue's thread has only their
+    addresses, so this must stay alive until the job has run.
+    """
+
+    ticket: int | None
+    """The job's ticket (``queue_finished`` reaches it once the job has run); ``None``: it ran
+    in the caller."""
+    numbers: NDArray[np.float64]
+    values: NDArray[np.floating]
+    source: torch.Tensor
+    plan: QuantilePlan | None
+
+    def profiled(self) -> Profiled:
+        """What ``profile`` would have given, once the job has run."""
+        return Profiled(int(self.numbers[-1]), self.numbers[:-1], self.values)
+
+
+STATUS_NO_MEMORY = 8
+"""A queued job could not allocate its tables: nothing it wrote is usable."""
+
+
+def submit_profile(
+    queue: object | None,
+    values: torch.Tensor,
+    seed: int | None,
+    size: int,
+    plan: QuantilePlan | None,
+    bins: int,
+) -> Queued:
+    """``profile`` of ``values`` on ``queue``'s thread, or here when ``queue`` is ``None``.
+
+    Args:
+        queue: A reduction queue (``new_queue``), or ``None`` to run the job in the caller.
+        values: A ``usable``, contiguous tensor, which nothing changes until the job has run.
+        seed: The seed of the subsample's positions, drawn as ``draw_positions`` draws them,
+            or ``None`` for the first ``size`` entries (all of them, for exact quartiles).
+        size: Entries in the subsample; 0 (and ``plan`` ``None``) for no quantiles.
+        plan: The ``quantile_plan`` of ``size`` entries.
+        bins: Histogram bins; 0 for no histogram.
+    """
+    assert KERNELS is not None, "submit_profile needs the kernels (check QUEUE)"
+    dtype = values.dtype
+    ranks, table, numbers, out = _profile_buffers(dtype, size, plan, bins, status=True)
+    data, numel, code = values.data_ptr(), values.numel(), _DTYPES[dtype]
+    if queue is not None:
+        ticket = KERNELS.queue_submit(
+            queue, seed, data, numel, code, 0, size, ranks, table, bins, numbers, out
+        )
+        return Queued(ticket, numbers, out, values, plan)
+    index = None if seed is None else draw_positions(seed, numel, size)
+    numbers[-1] = KERNELS.profile(
+        data,
+        numel,
+        code,
+        0 if index is None else index.data_ptr(),
+        size,
+        ranks,
+        table,
+        bins,
+        numbers[:-1],
+        out,
+    )
+    return Queued(None, numbers, out, values, plan)
+
+
+def queue_finished(queue: object) -> int:
+    """How many jobs ``queue`` has run, in the order they were submitted."""
+    assert KERNELS is not None
+    return int(KERNELS.queue_finished(queue))
+
+
+def queue_wait(queue: object, ticket: int) -> None:
+    """Block, with the GIL released, until the job with ``ticket`` has run."""
+    assert KERNELS is not None
+    KERNELS.queue_wait(queue, ticket)
+
+
+def queue_close(queue: object) -> None:
+    """Run what ``queue`` holds, then stop its thread; later jobs run in the caller."""
+    assert KERNELS is not None
+    KERNELS.queue_close(queue)
 
 
 def histogram(

@@ -26,6 +26,8 @@ IndexCache = dict[tuple[torch.device, int, int], torch.Tensor | int]
 _SEED_KEY = (torch.device("cpu"), -1, -1)
 """Where a sample's seed is kept in its ``IndexCache``: no tensor has -1 entries."""
 
+_MASK64 = 2**64 - 1
+
 CHUNK_SIZE = 2**22
 """Elements per chunk: 16 MiB of float32 temporaries at most, and exact float32 chunk counts."""
 
@@ -65,6 +67,34 @@ class _cached(Generic[_T]):
         value = self._compute(instance)
         instance.__dict__[self._name] = value
         return value
+
+
+def seeded_cache(seed: int) -> IndexCache:
+    """An empty ``IndexCache`` whose sample's CPU positions all come from ``seed`` (64 bits).
+
+    ``cpu_seed`` then takes no draw of a generator: the seed is known before any tensor is
+    measured, so the positions do not depend on which thread measures first.
+    """
+    return {_SEED_KEY: seed & _MASK64}
+
+
+def cpu_seed(cache: IndexCache | None, generator: torch.Generator, numel: int, size: int) -> int:
+    """The seed of the CPU positions of ``size`` entries of a ``numel``-entry tensor.
+
+    Without a cache, a 62-bit draw of ``generator``; with one, the sample's seed (from
+    ``seeded_cache``, else drawn at its first size; kept under ``_SEED_KEY``) mixed with
+    ``numel`` and ``size``
+    (``_native.mix_seed``). ``PreparedTensor.random_index`` draws its positions from it, and so
+    does a job of the kernels' reduction queue, which finds the same ones.
+    """
+    drawn = None if cache is None else cache.get(_SEED_KEY)
+    if not isinstance(drawn, int):
+        # on the CPU whatever the default device is (``torch.set_default_device``)
+        drawn = int(torch.randint(2**62, (), generator=generator, device="cpu"))
+        if cache is None:
+            return drawn
+        cache[_SEED_KEY] = drawn
+    return _native.mix_seed(drawn, numel, size)
 
 
 class PreparedTensor:
@@ -134,20 +164,8 @@ class PreparedTensor:
         return index
 
     def _seed(self, size: int) -> int:
-        """The seed of the CPU positions of ``size`` entries of this tensor (``random_index``).
-
-        Without a cache, a 62-bit draw of the generator; with one, the sample's draw (made at
-        its first size) mixed with this tensor's ``numel`` and ``size``.
-        """
-        cache = self._index_cache
-        drawn = None if cache is None else cache.get(_SEED_KEY)
-        if not isinstance(drawn, int):
-            # on the CPU whatever the default device is (``torch.set_default_device``)
-            drawn = int(torch.randint(2**62, (), generator=self.generator, device="cpu"))
-            if cache is None:
-                return drawn
-            cache[_SEED_KEY] = drawn
-        return _native.mix_seed(drawn, self.numel, size)
+        """The seed of the CPU positions of ``size`` entries of this tensor (``random_index``)."""
+        return cpu_seed(self._index_cache, self.generator, self.numel, size)
 
     @property
     def device(self) -> torch.device:

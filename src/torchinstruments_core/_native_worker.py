@@ -1,0 +1,207 @@
+"""The CPU's native reduction worker: the kernels' queue, whose thread never takes the GIL.
+
+The reduction worker of ``_background`` is a Python thread: between the kernels' calls it runs
+the reducers' Python, and the training thread waits for the GIL it holds. On a small model that
+wait is most of a sample's cost (LeNet-5: about 5 ms of a 13 ms sample). Where the compiled
+kernels have their queue (``_native.QUEUE``) and the reducers are the built-in ones
+(``FusedReductions``), a hook instead copies the tensor (or keeps a gradient as it is), works
+out what to ask the kernels for, and queues one ``profile`` job; the kernels' thread runs it,
+with the subsample's positions drawn there from the sample's seed, while the model computes.
+Each job's values are read back (``ProfileJob.complete``) on a thread that measures or
+settles, in the order the jobs were submitted, once the job has run: at the next hand-over, or
+when the sample closes and waits for it. A tensor whose values the kernels do not finish (a
+NaN or an infinity, squares that need scaling) goes through the reducers there, in Python, on
+the copy the job read.
+
+Memory is bounded as on the Python worker (``_background``): the bytes of jobs handed over and
+not yet read back never pass the largest job's or ``BUDGET_FLOOR``, whichever is more; a
+hand-over waits for the oldest jobs first. In a child made by ``fork``, and after ``close``,
+jobs run in the caller.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+from torchinstruments_core import _background
+from torchinstruments_core.reducers import _native
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+    from torchinstruments_core.reducers._fused import _Call
+
+
+class ProfileJob:
+    """One tensor's ``profile`` on the queue, and what reads its values back.
+
+    Args:
+        values: A ``usable``, contiguous tensor that nothing changes until the job has run.
+        seed: The seed of the subsample's positions (``cpu_seed``), ``None`` for the first
+            ``call.size`` entries.
+        call: What to ask the kernels for (``FusedReductions.call``).
+        finish: Called with the kernels' output once the job has run, on the thread that
+            reads it back; it must not raise, nor keep a view of ``buffer``.
+        buffer: ``values``, where it is a buffer of the worker's (``NativeWorker.buffer``).
+    """
+
+    __slots__ = ("_call", "_finish", "_queued", "_seed", "_values", "buffer")
+
+    def __init__(
+        self,
+        values: torch.Tensor,
+        seed: int | None,
+        call: _Call,
+        finish: Callable[[_native.Profiled], None],
+        buffer: torch.Tensor | None = None,
+    ) -> None:
+        self._values = values
+        self._seed = seed
+        self._call = call
+        self._finish = finish
+        self._queued: _native.Queued | None = None
+        self.buffer = buffer
+        """The worker's buffer ``values`` is a copy in (``NativeWorker.buffer``), if it is one:
+        kept as a spare once the job's values are read back."""
+
+    def start(self, queue: object | None) -> int | None:
+        """Submit the job to ``queue`` (``None``: run it here); its ticket, ``None`` if it ran."""
+        call = self._call
+        self._queued = _native.submit_profile(
+            queue, self._values, self._seed, call.size, call.plan, call.bins
+        )
+        return self._queued.ticket
+
+    def complete(self) -> None:
+        """Read the values back (``finish``), once the job has run; then let its buffers go."""
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            self._finish(queued.profiled())
+        self._values = None  # type: ignore[assignment]
+
+
+class NativeWorker:
+    """Hands ``ProfileJob``s to one queue of the kernels, holding at most a budget of bytes.
+
+    The budget is the largest job's bytes so far, or ``floor`` if that is more. ``submit``
+    makes a job once there is room (``make`` copies the tensor) and queues it; ``wait`` reads
+    back every job up to a ticket, waiting for the queue's thread where it has not run them.
+
+    Args:
+        floor: The least budget, in bytes (``None``: ``BUDGET_FLOOR``).
+    """
+
+    def __init__(self, floor: int | None = None) -> None:
+        self._lock = threading.RLock()
+        self._queue: object | None = None  # made at the first job
+        self._pending: collections.deque[tuple[int, int, ProfileJob]] = collections.deque()
+        self._held = 0  # bytes of the jobs not yet read back
+        self._spares = _background.Spares()
+        self._floor = _background.BUDGET_FLOOR if floor is None else floor
+        self._budget = self._floor
+        self._collected = 0  # the ticket of the last job read back
+        self._pid = os.getpid()
+        self._closed = False
+
+    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat buffer of ``numel`` entries for a job's copy, made in ``submit``'s ``make``.
+
+        A spare of that size and dtype where there is one (see ``_background``), else a new
+        one, after freeing the oldest spares until held and spare bytes fit the budget.
+        """
+        import torch
+
+        with self._lock:
+            spare = self._spares.take(numel, dtype)
+            if spare is not None:
+                return spare
+            self._spares.trim(self._budget - self._held)
+        return torch.empty(numel, dtype=dtype, device="cpu")
+
+    @staticmethod
+    def available() -> bool:
+        """Whether the kernels have their queue (not on Windows, nor without the kernels)."""
+        return _native.QUEUE
+
+    def submit(self, nbytes: int, make: Callable[[], ProfileJob]) -> int | None:
+        """Wait for room for ``nbytes``, call ``make()`` for the job and queue it.
+
+        ``make`` may raise (the copy ran out of memory): nothing is queued then, and the error
+        propagates; so does one from queueing.
+
+        Returns:
+            The job's ticket for ``done`` and ``wait``; ``None`` when it ran here, values read
+            back already (after ``close``, or in a child made by ``fork``).
+        """
+        if _background._current_pid != self._pid or self._closed:
+            job = make()
+            job.start(None)
+            job.complete()
+            return None
+        with self._lock:
+            self._budget = max(self._budget, nbytes)
+            self._collect()
+            while self._pending and self._held + nbytes > self._budget:
+                self._collect(self._pending[0][0])
+            job = make()
+            if self._queue is None:
+                self._queue = queue = _native.new_queue()
+                # closed (its jobs run) before the jobs' buffers can go, when this worker goes
+                weakref.finalize(self, _native.queue_close, queue)
+            ticket = job.start(self._queue)
+            if ticket is None:
+                job.complete()
+                return None
+            self._pending.append((ticket, nbytes, job))
+            self._held += nbytes
+            return ticket
+
+    def wait(self, ticket: int | None = None) -> None:
+        """Read back the job with ``ticket`` and those before it; without one, every job."""
+        if not self._pending or _background._current_pid != self._pid:
+            return
+        with self._lock:
+            if self._pending:
+                self._collect(self._pending[-1][0] if ticket is None else ticket)
+
+    def done(self, ticket: int | None) -> bool:
+        """Whether the job with ``ticket`` has been read back (reading back what has run)."""
+        if ticket is None or self._collected >= ticket or _background._current_pid != self._pid:
+            return True
+        with self._lock:
+            self._collect()
+            return self._collected >= ticket
+
+    def close(self) -> None:
+        """Read back every job and stop the queue's thread; later jobs run in the caller."""
+        if _background._current_pid != self._pid:  # a child made by fork: not its queue
+            self._closed = True
+            return
+        with self._lock:
+            self._closed = True
+            if self._pending:
+                self._collect(self._pending[-1][0])
+            self._spares.clear()
+            if self._queue is not None:
+                _native.queue_close(self._queue)
+
+    def _collect(self, goal: int | None = None) -> None:
+        """Read back the jobs that have run, waiting first for job ``goal`` (lock held)."""
+        if not self._pending or self._queue is None:
+            return
+        if goal is not None and goal > self._collected:
+            _native.queue_wait(self._queue, goal)
+        finished = _native.queue_finished(self._queue)
+        while self._pending and self._pending[0][0] <= finished:
+            ticket, nbytes, job = self._pending.popleft()
+            self._held -= nbytes
+            self._collected = ticket
+            job.complete()
+            if job.buffer is not None and not self._closed:
+                self._spares.keep(job.buffer, min(self._floor, self._budget - self._held))

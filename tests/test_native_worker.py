@@ -1,0 +1,333 @@
+"""The kernels' reduction queue (``_kernels.c``) and the worker that hands it a sample's tensors.
+
+The queue's thread runs ``profile`` without the GIL; ``NativeWorker`` keeps the buffers of its
+jobs alive, bounds their bytes, keeps spares and reads the values back in order; ``Measurer``
+sends a small sample's tensors there. Checked: the queue's values are ``profile``'s bit for bit
+(its own subsample draws included), jobs run in order and a closed queue runs them in the
+caller, a child made by ``fork`` never touches the parent's queue, the worker's byte budget and
+spares, and a measurement by the queue equals one in the hooks, odd tensors included.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import multiprocessing
+import os
+import weakref
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from helpers import floats
+from torchinstruments_core import AlwaysSampler, inject_observer
+from torchinstruments_core._measure import Measurer
+from torchinstruments_core._native_worker import NativeWorker, ProfileJob
+from torchinstruments_core._records import UnavailableReason
+from torchinstruments_core.reducers import HistogramReducer, _native, default_reducers
+from torchinstruments_core.reducers._fused import _call
+from torchinstruments_core.testing import RecordingSink
+
+pytestmark = pytest.mark.skipif(not _native.QUEUE, reason="the kernels have no queue here")
+
+
+def _queued(queue: object, values: torch.Tensor, seed: int | None, bins: int) -> _native.Queued:
+    call = _call(values.numel(), 8192 if seed is not None else 0, bins)
+    return _native.submit_profile(queue, values, seed, call.size, call.plan, call.bins)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("numel", [1, 640, 20_000])
+@pytest.mark.parametrize("bins", [0, 37])
+def test_a_queued_profile_is_profile_bit_for_bit(dtype: torch.dtype, numel: int, bins: int) -> None:
+    """The queue's thread gives what ``profile`` gives in the caller.
+
+    The positions are drawn there from the seed (``draw_positions``'s), or are the tensor's
+    first entries without one.
+    """
+    values = torch.randn(numel, dtype=dtype, generator=torch.Generator().manual_seed(numel))
+    queue = _native.new_queue()
+    for seed in (None, 12345) if numel > 8192 else (None,):
+        queued = _queued(queue, values, seed, bins)
+        assert queued.ticket is not None
+        _native.queue_wait(queue, queued.ticket)
+        call = _call(numel, 8192 if seed is not None else 0, bins)
+        index = None if seed is None else _native.draw_positions(seed, numel, call.size)
+        expected = _native.profile(values, index, call.size, call.plan, bins)
+        got = queued.profiled()
+        assert got.status == expected.status
+        # one entry has no spread: its moments are left to the host, unwritten on both sides
+        assert got.status == (_native.STATUS_MOMENTS_ON_HOST if numel == 1 else _native.STATUS_OK)
+        written = _native.MOMENTS if numel == 1 else 0
+        assert got.values[written:].tolist() == expected.values[written:].tolist()
+        assert got.summary() == expected.summary()
+        here = _queued(None, values, seed, bins)  # no queue: the same job, in the caller
+        assert here.ticket is None
+        assert here.profiled().values[written:].tolist() == expected.values[written:].tolist()
+    _native.queue_close(queue)
+
+
+def test_a_nonfinite_entry_gives_the_queue_s_status_and_the_sums_alone() -> None:
+    """A NaN stops the job after the sums, as it stops ``profile``: the status says so."""
+    values = torch.randn(1000)
+    values[17] = math.nan
+    queue = _native.new_queue()
+    queued = _queued(queue, values, None, 16)
+    assert queued.ticket is not None
+    _native.queue_wait(queue, queued.ticket)
+    assert queued.profiled().status == _native.STATUS_NONFINITE
+    assert math.isnan(queued.profiled().numbers[0])
+
+
+def test_jobs_run_in_the_order_submitted_and_a_closed_queue_runs_them_in_the_caller() -> None:
+    """Tickets count the jobs; once job N has run, so have those before it.
+
+    After ``queue_close`` a job runs before ``queue_submit`` returns, and is counted as run.
+    """
+    queue = _native.new_queue()
+    values = [torch.randn(50_000, generator=torch.Generator().manual_seed(n)) for n in range(20)]
+    queued = [_queued(queue, v, 7, 0) for v in values]
+    assert [q.ticket for q in queued] == list(range(1, 21))
+    _native.queue_wait(queue, 20)
+    assert _native.queue_finished(queue) == 20
+    assert all(q.profiled().status == _native.STATUS_OK for q in queued)
+    _native.queue_close(queue)
+    late = _queued(queue, values[0], 7, 0)
+    assert late.ticket == 21
+    assert _native.queue_finished(queue) == 21  # ran in the caller
+    assert late.profiled().values.tolist() == queued[0].profiled().values.tolist()
+    _native.queue_wait(queue, 10**9)  # a ticket past the last waits for the last only
+
+
+def test_the_queue_checks_what_it_is_handed() -> None:
+    """Not a queue, a plan that does not fit, a seed with an index: errors, nothing queued."""
+    assert _native.KERNELS is not None
+    kernels = _native.KERNELS
+    queue = _native.new_queue()
+    values = torch.randn(10)
+    call = _call(10, 0, 7)
+    assert call.plan is not None
+    numbers = np.empty(5 + call.plan.ranks.size + 4 + 1)
+    out = np.empty(_native.MOMENTS + 3 + 11, dtype=np.float32)
+    arguments = (values.data_ptr(), 10, 0, 0, 10, call.plan.ranks, call.plan.table, 7)
+    with pytest.raises(ValueError, match="PyCapsule"):
+        kernels.queue_finished(object())
+    with pytest.raises(ValueError, match="numbers"):  # no room for the status
+        kernels.queue_submit(queue, None, *arguments, numbers[1:], out)
+    with pytest.raises(ValueError, match="a seed and an index"):
+        kernels.queue_submit(
+            queue, 3, *arguments[:3], values.data_ptr(), *arguments[4:], numbers, out
+        )
+    assert kernels.queue_finished(queue) == 0
+    assert kernels.queue_submit(queue, None, *arguments, numbers, out) == 1
+
+
+def _touch_in_child(queue: object, results: Any) -> None:
+    try:
+        _native.queue_finished(queue)
+        results.put("touched")
+    except RuntimeError as error:
+        results.put(str(error))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_made_by_fork_never_touches_the_parent_s_queue() -> None:
+    """The queue's lock may have been held by its thread at the fork: the child raises instead."""
+    queue = _native.new_queue()
+    _native.queue_wait(queue, _queued(queue, torch.randn(100), None, 0).ticket or 0)
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_touch_in_child, args=(queue, results))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert "another process" in results.get(timeout=5)
+
+
+def _job(values: torch.Tensor, seen: list[int], buffer: torch.Tensor | None = None) -> ProfileJob:
+    call = _call(values.numel(), 0, 0)
+    return ProfileJob(values, None, call, lambda p: seen.append(p.status), buffer)
+
+
+def test_the_worker_holds_at_most_its_budget_and_reads_jobs_back_in_order() -> None:
+    """With no floor the budget is the largest job: a hand-over reads back the job before it.
+
+    What is read back, and when, follows the tickets.
+    """
+    worker = NativeWorker(floor=0)
+    seen: list[int] = []
+    held = []
+    tickets = []
+    for _n in range(5):
+        tickets.append(worker.submit(4 * 100_000, lambda: _job(torch.randn(100_000), seen)))
+        held.append(worker._held)
+    assert held == [4 * 100_000] * 5
+    assert len(seen) == 4  # each earlier job read back when the next one came
+    assert tickets == [1, 2, 3, 4, 5]
+    assert not worker.done(6)
+    worker.wait()
+    assert worker.done(5)
+    assert seen == [_native.STATUS_OK] * 5
+    assert worker._held == 0
+    worker.close()
+
+
+def test_finished_copies_stay_as_spares_within_the_floor_and_close_frees_them() -> None:
+    """A job's buffer is handed out again for a copy of its size and dtype once read back.
+
+    The spares never pass the floor; ``close`` frees them, and later jobs run in the caller.
+    """
+    worker = NativeWorker(floor=3 * 4000)
+    seen: list[int] = []
+    buffers = [worker.buffer(1000, torch.float32) for _ in range(4)]
+    for buffer in buffers:
+        buffer.normal_()
+        worker.submit(4000, lambda b=buffer: _job(b, seen, b))  # type: ignore[misc]
+    worker.wait()
+    assert worker._spares.bytes == 3 * 4000  # the fourth did not fit the floor
+    assert worker.buffer(1000, torch.float64).dtype == torch.float64  # not a float32 spare
+    again = worker.buffer(1000, torch.float32)
+    assert any(again is buffer for buffer in buffers)
+    worker.close()
+    assert worker._spares.bytes == 0
+    assert worker.submit(4000, lambda: _job(torch.randn(1000), seen)) is None
+    assert seen == [_native.STATUS_OK] * 5
+
+
+def test_a_worker_let_go_with_jobs_queued_closes_its_queue_first() -> None:
+    """Dropped while its jobs run, the worker's queue runs them before their buffers go."""
+    worker = NativeWorker()
+    seen: list[int] = []
+    for _n in range(10):
+        worker.submit(4 * 200_000, lambda: _job(torch.randn(200_000), seen))
+    gone = weakref.ref(worker)
+    del worker
+    gc.collect()
+    assert gone() is None  # the queue was closed and joined on the way: nothing crashed
+
+
+def _queue_measurer(**options: Any) -> Measurer:
+    """A measurer that hands every CPU tensor to the kernels' queue (a small sample's path)."""
+    measurer = Measurer(default_reducers(), HistogramReducer(bins=37), background=True, **options)
+    assert measurer._native is not None
+    measurer.new_sample()
+    measurer._small = True
+    return measurer
+
+
+def _hooks_measurer() -> Measurer:
+    measurer = Measurer(default_reducers(), HistogramReducer(bins=37), background=False)
+    measurer.new_sample()
+    return measurer
+
+
+def _odd_tensors() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(9)
+    big = torch.randn(64, 1024, generator=generator)
+    nan = torch.randn(5000, generator=generator)
+    nan[::7] = math.nan
+    return [
+        torch.randn(1, generator=generator),
+        torch.randn(64, 256, generator=generator),
+        big.t(),  # strided: copied flat
+        big[:, ::3],
+        big.to(torch.bfloat16),  # a narrower dtype: copied into float32
+        torch.randn(30_000, dtype=torch.float64, generator=generator),
+        torch.full((5000,), 3.0),
+        torch.randn(20_000, generator=generator) * 1e-3 + 40.0,  # the moments' second pass
+        torch.full((10,), 1e30),  # squares that need scaling: the reducers run
+        nan,  # non-finite entries: the reducers run, on the job's copy
+        torch.tensor([1.0, math.inf, -2.0]),
+    ]
+
+
+def test_a_measurement_by_the_queue_is_the_hooks_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values, histograms and reasons equal those reduced in the hooks, tensor by tensor.
+
+    The odd ones the kernels do not finish included: the reducers run on what the job read.
+    """
+    queued, hooks = _queue_measurer(), _hooks_measurer()
+    submitted: list[int] = []
+    submit = NativeWorker.submit
+
+    def counted(self: NativeWorker, nbytes: int, make: Any) -> int | None:
+        submitted.append(nbytes)
+        return submit(self, nbytes, make)
+
+    monkeypatch.setattr(NativeWorker, "submit", counted)
+    tensors = _odd_tensors()
+    one = [queued.measure(t, with_histogram=True) for t in tensors]
+    other = [hooks.measure(t, with_histogram=True) for t in tensors]
+    assert len(submitted) == len(tensors)
+    for tensor, a, b in zip(tensors, one, other, strict=True):
+        assert a.settle() is None
+        assert (a.reason, b.reason) == (None, None), tensor
+        assert [r.metrics for r in a.results] == [r.metrics for r in b.results]
+        got = [floats(r.values) for r in a.results]
+        expected = [floats(r.values) for r in b.results]
+        assert str(got) == str(expected)  # NaN where NaN: the same values, compared as text
+        assert floats(a.histogram) == floats(b.histogram)
+        assert a.n_finite is not None
+        assert b.n_finite is not None
+        assert float(a.n_finite) == float(b.n_finite)
+    queued.close()
+
+
+def test_a_shared_gradient_changed_in_place_loses_its_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tensor handed over as it is, then changed in place, gives ``modified_in_place``.
+
+    ``changed`` is called; a tensor left alone gives its values.
+    """
+    measurer = _queue_measurer()
+    changed: list[str] = []
+    kept = torch.randn(4096)
+    touched = torch.randn(4096)
+    left = measurer.measure(kept, with_histogram=False, shared=True)
+    moved = measurer.measure(
+        touched, with_histogram=False, shared=True, changed=lambda: changed.append("moved")
+    )
+    assert moved.shared is not None
+    assert moved.shared[0] is touched
+    touched.mul_(2.0)
+    assert left.settle() is None
+    assert moved.settle() is None
+    assert left.reason is None
+    assert moved.reason == UnavailableReason.MODIFIED_IN_PLACE
+    assert moved.results == []
+    assert changed == ["moved"]
+    measurer.close()
+
+
+def test_a_small_model_sampled_on_the_queue_gives_the_rows_of_the_hooks() -> None:
+    """A training loop's small samples (the queue from the second on) equal reduced in hooks."""
+
+    def run(background_reductions: bool | None) -> RecordingSink:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(inplace=True), nn.Linear(64, 10))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(1)
+        sink = RecordingSink()
+        with inject_observer(
+            model,
+            sampler=AlwaysSampler(),
+            sink=sink,
+            optimizer=optimizer,
+            background_reductions=background_reductions,
+        ) as observer:
+            for step in range(4):
+                observer.begin_step(step, sample=True)
+                x = torch.randn(256, 32, generator=generator)
+                nn.functional.cross_entropy(model(x), torch.arange(256) % 10).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                observer.end_step()
+        return sink
+
+    queued, hooks = run(True), run(False)
+    assert [s.rows for s in queued.samples] == [s.rows for s in hooks.samples]
+    assert [s.histograms for s in queued.samples] == [s.histograms for s in hooks.samples]
