@@ -517,7 +517,13 @@ def test_a_small_sample_goes_to_the_kernels_queue_from_the_next_sample_on(
         assert forced_native == [0, forced[0], forced[0]]
     else:
         assert forced[1:] == [forced[0]] * 2
-    assert [s.rows for s in sink.samples] == [s.rows for s in forced_sink.samples]
+    hooks, hooks_sink, hooks_native = _submits_per_step(
+        monkeypatch, model, batch, background_reductions=False
+    )
+    assert hooks == hooks_native == [0, 0, 0]
+    for other in (forced_sink, hooks_sink):  # worker, queue and hooks: the same values
+        assert [s.rows for s in sink.samples] == [s.rows for s in other.samples]
+        assert [s.histograms for s in sink.samples] == [s.histograms for s in other.samples]
 
 
 def test_a_sample_past_the_small_size_keeps_the_worker(monkeypatch: Any) -> None:

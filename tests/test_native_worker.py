@@ -14,6 +14,8 @@ import gc
 import math
 import multiprocessing
 import os
+import threading
+import time
 import weakref
 from typing import Any
 
@@ -24,9 +26,9 @@ from torch import nn
 
 from helpers import floats
 from torchinstruments_core import AlwaysSampler, inject_observer
+from torchinstruments_core import _native_worker as _native_worker_module
 from torchinstruments_core._measure import Measurer
 from torchinstruments_core._native_worker import NativeWorker, ProfileJob
-from torchinstruments_core._records import UnavailableReason
 from torchinstruments_core.reducers import HistogramReducer, _native, default_reducers
 from torchinstruments_core.reducers._fused import _call
 from torchinstruments_core.testing import RecordingSink
@@ -203,10 +205,14 @@ def test_a_worker_let_go_with_jobs_queued_closes_its_queue_first() -> None:
     seen: list[int] = []
     for _n in range(10):
         worker.submit(4 * 200_000, lambda: _job(torch.randn(200_000), seen))
+    queue = worker._queue
+    assert queue is not None
     gone = weakref.ref(worker)
     del worker
     gc.collect()
-    assert gone() is None  # the queue was closed and joined on the way: nothing crashed
+    assert gone() is None
+    assert _native.queue_finished(queue) == 10  # closed, every job run, without a wait here
+    _native_worker_module._close_queue(queue, -1)  # another process's: left alone, no raise
 
 
 def _queue_measurer(**options: Any) -> Measurer:
@@ -276,30 +282,34 @@ def test_a_measurement_by_the_queue_is_the_hooks_one(monkeypatch: pytest.MonkeyP
     queued.close()
 
 
-def test_a_shared_gradient_changed_in_place_loses_its_values(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A tensor handed over as it is, then changed in place, gives ``modified_in_place``.
+def test_a_shared_gradient_is_copied_for_the_queue_and_keeps_its_values() -> None:
+    """A tensor the Python worker would read as it is goes to the queue as a copy.
 
-    ``changed`` is called; a tensor left alone gives its values.
+    The queue's thread reads memory by address, so a later ``set_`` or resize of the tensor
+    must not free what it reads: the values are those at the hand-over, as in the hooks, even
+    when the tensor changes in place or loses its storage before the job is read back.
     """
-    measurer = _queue_measurer()
+    measurer, hooks = _queue_measurer(), _hooks_measurer()
     changed: list[str] = []
-    kept = torch.randn(4096)
     touched = torch.randn(4096)
-    left = measurer.measure(kept, with_histogram=False, shared=True)
-    moved = measurer.measure(
-        touched, with_histogram=False, shared=True, changed=lambda: changed.append("moved")
-    )
-    assert moved.shared is not None
-    assert moved.shared[0] is touched
+    emptied = torch.randn(4096)
+    expected = [hooks.measure(t.clone(), with_histogram=True) for t in (touched, emptied)]
+    got = [
+        measurer.measure(t, with_histogram=True, shared=True, changed=lambda: changed.append("x"))
+        for t in (touched, emptied)
+    ]
+    assert all(measurement.shared is None for measurement in got)  # copies, nothing to check
     touched.mul_(2.0)
-    assert left.settle() is None
-    assert moved.settle() is None
-    assert left.reason is None
-    assert moved.reason == UnavailableReason.MODIFIED_IN_PLACE
-    assert moved.results == []
-    assert changed == ["moved"]
+    # its old storage freed: a job that read it in place would read freed memory
+    emptied.set_(torch.empty(0).untyped_storage())
+    for measurement, reference in zip(got, expected, strict=True):
+        assert measurement.settle() is None
+        assert measurement.reason is None
+        assert [floats(r.values) for r in measurement.results] == [
+            floats(r.values) for r in reference.results
+        ]
+        assert floats(measurement.histogram) == floats(reference.histogram)
+    assert changed == []
     measurer.close()
 
 
@@ -328,6 +338,108 @@ def test_a_small_model_sampled_on_the_queue_gives_the_rows_of_the_hooks() -> Non
                 observer.end_step()
         return sink
 
-    queued, hooks = run(True), run(False)
+    submitted: list[int] = []
+    submit = NativeWorker.submit
+
+    def counted(self: NativeWorker, nbytes: int, make: Any) -> int | None:
+        submitted.append(nbytes)
+        return submit(self, nbytes, make)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(NativeWorker, "submit", counted)
+        queued = run(True)
+    assert len(submitted) > 0  # from the second sample on, every tensor: a small model
+    hooks = run(False)
     assert [s.rows for s in queued.samples] == [s.rows for s in hooks.samples]
     assert [s.histograms for s in queued.samples] == [s.histograms for s in hooks.samples]
+
+
+def test_a_job_that_fails_to_be_made_leaves_nothing_held() -> None:
+    """A copy that raises (out of memory) propagates, and the worker holds nothing for it."""
+    worker = NativeWorker(floor=0)
+
+    def failing() -> ProfileJob:
+        raise MemoryError("no room for the copy")
+
+    with pytest.raises(MemoryError):
+        worker.submit(4000, failing)
+    assert worker._held == 0
+    assert not worker._pending
+    seen: list[int] = []
+    assert worker.submit(4000, lambda: _job(torch.randn(1000), seen)) == 1
+    worker.close()
+    assert seen == [_native.STATUS_OK]
+
+
+def test_a_job_counts_as_done_only_once_its_values_are_read_back() -> None:
+    """Another thread sees a job done only after ``finish`` has filled its values in."""
+    worker = NativeWorker()
+    filled: list[str] = []
+    started = threading.Event()
+
+    def slow(profiled: _native.Profiled) -> None:
+        started.set()
+        time.sleep(0.3)
+        filled.append("filled")
+
+    call = _call(1000, 0, 0)
+    ticket = worker.submit(4000, lambda: ProfileJob(torch.randn(1000), None, call, slow))
+    assert ticket is not None
+    reader = threading.Thread(target=worker.wait)
+    reader.start()
+    assert started.wait(10)
+    assert not worker.done(ticket)  # read back under way on the other thread
+    worker.wait(ticket)  # waits for that read-back, not only for the job
+    assert filled == ["filled"]
+    assert worker.done(ticket)
+    reader.join()
+    worker.close()
+
+
+def test_a_child_made_by_fork_copies_without_the_lock_and_keeps_no_spares() -> None:
+    """In a child the parent's thread may have held the lock: hooks never take it there."""
+    worker = NativeWorker()
+    seen: list[int] = []
+    worker.submit(4000, lambda: _job(torch.randn(1000), seen, worker.buffer(1000, torch.float32)))
+    worker.wait()
+    assert worker._spares.bytes == 4000
+    worker._pid = -1  # as seen from a child made by fork
+    taken, release = threading.Event(), threading.Event()
+
+    def parent_thread() -> None:  # inside the lock at the fork
+        with worker._lock:
+            taken.set()
+            release.wait()
+
+    def child() -> None:
+        buffer = worker.buffer(1000, torch.float32)
+        assert worker.submit(4000, lambda: _job(buffer.normal_(), seen)) is None  # ran here
+        worker.close()
+
+    holder = threading.Thread(target=parent_thread, daemon=True)
+    holder.start()
+    assert taken.wait(5)
+    hook = threading.Thread(target=child, daemon=True)
+    hook.start()
+    hook.join(10)
+    alive = hook.is_alive()
+    release.set()
+    holder.join(5)
+    assert not alive, "the child's hook waited for a lock the parent's thread held"
+    assert worker._spares.bytes == 0
+    assert seen == [_native.STATUS_OK] * 2
+
+
+def test_a_job_submitted_while_the_queue_closes_runs_after_those_before_it() -> None:
+    """A job that finds the queue closing runs in the caller, and only once the others ran."""
+    queue = _native.new_queue()
+    values = torch.randn(300_000)
+    queued = [_queued(queue, values, 11, 64) for _ in range(20)]
+    closer = threading.Thread(target=_native.queue_close, args=(queue,))
+    closer.start()
+    late = _queued(queue, values, 11, 64)
+    assert late.ticket == 21
+    assert _native.queue_finished(queue) == 21  # every earlier job ran before it returned
+    closer.join()
+    assert all(q.profiled().status == _native.STATUS_OK for q in queued)
+    assert late.profiled().values.tolist() == queued[0].profiled().values.tolist()

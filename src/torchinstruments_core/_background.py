@@ -17,9 +17,9 @@ gradients in quick succession) queue instead of making the hook wait; a model wh
 activation passes 8 MiB keeps the bound of one tensor in float32. A finished job's buffer stays
 as a spare for the next copy of its size (a copy into mapped pages takes a third to half the
 time of one into fresh memory), within the same bound and never past the floor, so that between
-samples the worker keeps at most 8 MiB; ``close`` frees them. Jobs run in the order they came,
-so the reducers draw their subsamples in the same order as without the worker and give the
-same values.
+samples the worker keeps at most 8 MiB; ``close`` frees them. Jobs run in the order they came;
+the subsamples' positions come from a seed each sample gets when it starts
+(``Measurer._new_cache``), so the worker gives the values the hooks would.
 
 The worker never takes the observer's lock and a job never raises (``Measurer`` records errors
 in the measurement), so waiting for it always ends. It is started on the first job and stopped

@@ -46,17 +46,19 @@ if TYPE_CHECKING:
 _MAX_ERROR_TEXT = 200
 
 SMALL_SAMPLE_ENTRIES = 2**19
-"""With ``background=None``, what is measured from one forward sample's start to the next's is
-reduced in the hooks, not on the worker, when the stretch before it measured at most this many
-CPU entries (512 Ki, 2 MiB of float32; the size is read one sample late). A
-tensor's reductions are then mostly Python (about 0.1-0.2 ms a tensor) that holds the GIL the
-training thread needs, so the worker overlaps little of them and adds its hand-overs: on an
-MNIST-sized MLP (784-256-128-10, batch 64, 11 tensors, about 200 k entries a sample) a sampled
-step cost 4.4-5.1x with the worker and 4.5-4.6x in the hooks over five runs, in the hooks the
-less in four; at batch 1024 (3.2 M entries) 1.5x and 2.0x. The workloads of ``benchmarks/``
-(2-12 M entries a sample) keep the worker. With the default profile finished in one kernel
-call (``_fused``, about 80 us a 640-entry tensor in the hooks), the batch-64 MLP still cost
-2.02x on the worker against 1.87x in the hooks (one run each, a minute apart)."""
+"""With ``background=None``, what is measured from one forward sample's start to the next's
+leaves the Python worker when the stretch before it measured at most this many CPU entries
+(512 Ki, 2 MiB of float32; the size is read one sample late): it goes to the kernels' queue
+(``_native_worker``), whose thread holds no GIL, or, without one (no kernels, Windows, custom
+reducers), is reduced in the hooks. A small sample's reductions on the Python worker are
+mostly Python that holds the GIL the training thread needs, so the worker overlapped little
+of them and added its hand-overs: on an MNIST-sized MLP (784-256-128-10, batch 64, 11 tensors,
+about 200 k entries a sample) a sampled step cost 2.02x on the worker against 1.87x in the
+hooks (one run each, a minute apart), and the queue cut it from 1.82x in the hooks to 1.71x
+(one process, alternating, 150 rounds). Larger samples keep the Python worker: reading a
+queued job's values back costs the training thread about 40-60 us a tensor in a real step,
+about what the worker's GIL costs it there (LeNet-5, 1.9 M entries a sample: 1.45x either
+way); at batch 1024 (3.2 M entries) the MLP cost 1.5x on the worker and 2.0x in the hooks."""
 
 
 @dataclass(slots=True)
@@ -193,10 +195,12 @@ class Measurer:
         histogram: Reducer for the focus modules' histograms.
         seed: Seed of the private generators used for subsampling (the model's random stream is
             never touched).
-        background: Reduce CPU tensors on the reduction worker (``_background``): ``None``
-            when torch's intra-op threads leave a core free (checked at each tensor) and the
-            stretch before the current forward sample was not small (``SMALL_SAMPLE_ENTRIES``),
-            ``True`` always, ``False`` never.
+        background: Reduce CPU tensors off the hooks: ``None`` when torch's intra-op
+            threads leave a core free (checked once a sample), ``True`` always, ``False``
+            never. A small sample's tensors (``SMALL_SAMPLE_ENTRIES``) go to the kernels'
+            queue (``_native_worker``) where there is one and the reducers are the built-in
+            ones; other samples' to the reduction worker (``_background``), and with ``None``
+            a small sample without the queue stays in the hooks.
     """
 
     def __init__(
@@ -221,20 +225,20 @@ class Measurer:
         # the kernels' queue, for the built-in reducers: its thread never takes the GIL
         self._native = NativeWorker() if self._fused and NativeWorker.available() else None
         self._entries = 0  # CPU entries measured since the current forward sample started
-        self._small = False  # the previous forward sample was small: reduce in the hooks
+        self._small = False  # the previous forward sample was small: off the Python worker
         self._free_core: bool | None = None  # ``free_core()``, read once a sample
         self._groups: bool | None = None  # ``process_groups_up()``, read once a sample
         # the measurements read without a copy, per thread that measured them (``_let_go``)
         self._shared: dict[int, collections.deque[Measurement]] = {}
 
     def new_sample(self, *, forward: bool = False) -> None:
-        """Forget the subsample positions of the previous sample; the next one draws its own.
+        """Forget the previous sample's subsample positions; the next one has a seed of its own.
 
-        A new mapping, not a cleared one: the worker's jobs of the previous sample keep theirs.
+        A new mapping, not a cleared one: the workers' jobs of the previous sample keep theirs.
         The lists of shared tensors of threads that have none left are dropped. A ``forward``
         sample starting decides, from the CPU entries measured since the last one started
-        (step records' included), whether what is measured until the next one starts is
-        reduced in the hooks (``SMALL_SAMPLE_ENTRIES``).
+        (step records' included), whether what is measured until the next one starts leaves
+        the Python worker (``SMALL_SAMPLE_ENTRIES``).
         """
         if forward:
             self._small = 0 < self._entries <= SMALL_SAMPLE_ENTRIES
@@ -331,7 +335,8 @@ class Measurer:
         measurement = Measurement(None, self.metrics, changed=changed)
         if not self._in_background(plain, scale):
             if on_cpu:
-                self._worker.wait()  # its draws come first: the same values as all inline
+                # a custom reducer may draw from the generator: in the order tensors came
+                self._worker.wait()
             self._fill(plain, measurement, with_histogram, self._index_cache, plain.dtype)
             return measurement
         nbytes = plain.numel() * working_dtype(plain.dtype).itemsize
@@ -344,7 +349,7 @@ class Measurer:
             if native is not None:
                 measurement.ticket = native.submit(
                     nbytes,
-                    lambda: self._native_job(plain, measurement, with_histogram, owned, shared),
+                    lambda: self._native_job(plain, measurement, with_histogram, owned=owned),
                 )
             else:
                 measurement.ticket = self._worker.submit(
@@ -517,31 +522,32 @@ class Measurer:
         plain: torch.Tensor,
         measurement: Measurement,
         with_histogram: bool,
+        *,
         owned: bool,
-        shared: bool,
     ) -> ProfileJob:
         """The kernels' queue's job for ``plain``, made in the hook (see ``_job``).
 
-        The job reads a flat copy in the working dtype, or ``plain`` itself where it is
-        ``owned`` or ``shared`` and the kernels can read it as it is (contiguous, in its
-        working dtype); a strided or narrower one is copied here, not on a worker. Once the
-        job has run, its values fill ``measurement``, on the thread that reads them back; where
-        the kernels gave none, the reducers run there on what the job read, with the same
-        subsample positions (``cpu_seed``).
+        The job reads a flat copy in the working dtype, made here, or ``plain`` itself where it
+        is ``owned`` and the kernels can read it as it is (contiguous, in its working dtype). A
+        ``shared`` tensor is copied too: the queue's thread reads memory by its address, and a
+        ``set_`` or a storage resize of the tensor would free it under the job, where the
+        Python worker would only read changed values and drop them (these samples are small,
+        and a copy of 16 Ki float32 entries takes about 4 us). Once the job has run, its values
+        fill ``measurement``, on the thread that reads them back; where the kernels gave none,
+        the reducers run there on what the job read, with the same subsample positions
+        (``cpu_seed``).
         """
         assert self._fused is not None
+        assert self._native is not None
         dtype = working_dtype(plain.dtype)
         numel = plain.numel()
-        as_is = plain.dtype == dtype and plain.is_contiguous() and _native.usable(plain)
         buffer = None
-        if as_is and (owned or (shared and _storage_bytes(plain) <= numel * dtype.itemsize)):
+        if owned and plain.dtype == dtype and plain.is_contiguous() and _native.usable(plain):
             values = plain
-            if not owned:
-                measurement.shared = (plain, version(plain))
         else:
-            assert self._native is not None
             values = buffer = _flat_copy(plain, self._native.buffer(numel, dtype))
-        call = self._fused.call(numel, with_histogram)
+        fusion = self._fused
+        call = fusion.call(numel, with_histogram)
         cache, source_dtype = self._index_cache, plain.dtype  # this sample's, whenever it runs
         generator = self._generator(values.device)
         seed = cpu_seed(cache, generator, numel, call.size) if call.drawn else None
@@ -551,7 +557,7 @@ class Measurer:
 
         def finish(profiled: _native.Profiled) -> None:
             try:
-                fused = self._fused.finish(profiled, call, prepared) if self._fused else None
+                fused = fusion.finish(profiled, call, prepared)
             except Exception:  # the reducers run instead, and report what fails
                 fused = None
             if fused is not None:
@@ -586,8 +592,9 @@ class Measurer:
     def generator(self, device: torch.device) -> torch.Generator:
         """The private random generator of ``device``, seeded once (never the model's).
 
-        Waits for the reduction worker first, which draws from the CPU generator: the draws
-        stay in the order the tensors were measured.
+        Waits for the reduction worker first, where a custom reducer may draw from the CPU
+        generator: the draws stay in the order the tensors were measured (the built-in
+        reducers' CPU positions come from each sample's seed, ``_new_cache``, instead).
         """
         self._worker.wait()
         return self._generator(device)

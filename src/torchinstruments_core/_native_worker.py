@@ -2,11 +2,13 @@
 
 The reduction worker of ``_background`` is a Python thread: between the kernels' calls it runs
 the reducers' Python, and the training thread waits for the GIL it holds. On a small model that
-wait is most of a sample's cost (LeNet-5: about 5 ms of a 13 ms sample). Where the compiled
+wait is much of a sample's cost (LeNet-5: about 5 ms of a 13 ms sample). Where the compiled
 kernels have their queue (``_native.QUEUE``) and the reducers are the built-in ones
-(``FusedReductions``), a hook instead copies the tensor (or keeps a gradient as it is), works
-out what to ask the kernels for, and queues one ``profile`` job; the kernels' thread runs it,
-with the subsample's positions drawn there from the sample's seed, while the model computes.
+(``FusedReductions``), a hook of a small sample (``_measure.SMALL_SAMPLE_ENTRIES``) instead
+copies the tensor (gradients too), works out what to ask the kernels for, and queues one
+``profile`` job; the kernels' thread runs it, with the subsample's positions drawn there from
+the sample's seed, while the model computes. Reading each job's values back costs the training
+thread about what the Python worker's GIL does on larger samples, which keep that worker.
 Each job's values are read back (``ProfileJob.complete``) on a thread that measures or
 settles, in the order the jobs were submitted, once the job has run: at the next hand-over, or
 when the sample closes and waits for it. A tensor whose values the kernels do not finish (a
@@ -108,6 +110,7 @@ class NativeWorker:
         self._collected = 0  # the ticket of the last job read back
         self._pid = os.getpid()
         self._closed = False
+        self._collecting = False  # a read-back under way (a job's reducers never re-enter it)
 
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat buffer of ``numel`` entries for a job's copy, made in ``submit``'s ``make``.
@@ -117,6 +120,8 @@ class NativeWorker:
         """
         import torch
 
+        if _background._current_pid != self._pid:  # a child made by fork: the lock may be held
+            return torch.empty(numel, dtype=dtype, device="cpu")
         with self._lock:
             spare = self._spares.take(numel, dtype)
             if spare is not None:
@@ -149,17 +154,22 @@ class NativeWorker:
             self._collect()
             while self._pending and self._held + nbytes > self._budget:
                 self._collect(self._pending[0][0])
-            job = make()
-            if self._queue is None:
-                self._queue = queue = _native.new_queue()
-                # closed (its jobs run) before the jobs' buffers can go, when this worker goes
-                weakref.finalize(self, _native.queue_close, queue)
-            ticket = job.start(self._queue)
-            if ticket is None:
+            self._held += nbytes  # before the copy: ``buffer`` trims the spares to make room
+            try:
+                job = make()
+                if self._queue is None:
+                    self._queue = queue = _native.new_queue()
+                    # closed (its jobs run) before the jobs' buffers can go, when this goes
+                    weakref.finalize(self, _close_queue, queue, self._pid)
+                ticket = job.start(self._queue)
+            except BaseException:
+                self._held -= nbytes
+                raise
+            if ticket is None:  # the queue ran it (closed from another thread meanwhile)
+                self._held -= nbytes
                 job.complete()
                 return None
             self._pending.append((ticket, nbytes, job))
-            self._held += nbytes
             return ticket
 
     def wait(self, ticket: int | None = None) -> None:
@@ -171,17 +181,25 @@ class NativeWorker:
                 self._collect(self._pending[-1][0] if ticket is None else ticket)
 
     def done(self, ticket: int | None) -> bool:
-        """Whether the job with ``ticket`` has been read back (reading back what has run)."""
+        """Whether the job with ``ticket`` has been read back (reading back what has run).
+
+        Never waits: while another thread reads jobs back, the answer is ``False``.
+        """
         if ticket is None or self._collected >= ticket or _background._current_pid != self._pid:
             return True
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
             self._collect()
             return self._collected >= ticket
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         """Read back every job and stop the queue's thread; later jobs run in the caller."""
         if _background._current_pid != self._pid:  # a child made by fork: not its queue
             self._closed = True
+            self._spares = _background.Spares()  # the parent's: the lock may be held
             return
         with self._lock:
             self._closed = True
@@ -193,15 +211,27 @@ class NativeWorker:
 
     def _collect(self, goal: int | None = None) -> None:
         """Read back the jobs that have run, waiting first for job ``goal`` (lock held)."""
-        if not self._pending or self._queue is None:
+        if not self._pending or self._queue is None or self._collecting:
             return
         if goal is not None and goal > self._collected:
             _native.queue_wait(self._queue, goal)
         finished = _native.queue_finished(self._queue)
-        while self._pending and self._pending[0][0] <= finished:
-            ticket, nbytes, job = self._pending.popleft()
-            self._held -= nbytes
-            self._collected = ticket
-            job.complete()
-            if job.buffer is not None and not self._closed:
-                self._spares.keep(job.buffer, min(self._floor, self._budget - self._held))
+        self._collecting = True
+        try:
+            while self._pending and self._pending[0][0] <= finished:
+                ticket, nbytes, job = self._pending[0]
+                # read back before it counts as done: ``done`` and ``wait`` look without the lock
+                job.complete()
+                self._pending.popleft()
+                self._held -= nbytes
+                self._collected = ticket
+                if job.buffer is not None and not self._closed:
+                    self._spares.keep(job.buffer, min(self._floor, self._budget - self._held))
+        finally:
+            self._collecting = False
+
+
+def _close_queue(queue: object, pid: int) -> None:
+    """``queue_close`` in the process that made ``queue``; a child made by ``fork`` leaves it."""
+    if _background._current_pid == pid:
+        _native.queue_close(queue)

@@ -779,7 +779,7 @@ static int profile_args(PyObject* const* args, const char* name, int indexed, in
         as_int64(args[2], &a->dtype) || as_pointer(args[3], &a->index) ||
         as_int64(args[4], &a->m) || as_int64(args[7], &a->bins))
         return -1;
-    if (a->bins < 0 || a->bins > INT32_MAX - 1 || a->m < 0 || a->n < 1 ||
+    if (a->bins < 0 || a->bins > INT32_MAX - 1 || a->m < 0 || a->m > INT64_MAX / 16 || a->n < 1 ||
         (a->dtype != DTYPE_FLOAT32 && a->dtype != DTYPE_FLOAT64)) {
         PyErr_Format(PyExc_ValueError, "%s: a size is out of range", name);
         return -1;
@@ -969,7 +969,7 @@ typedef struct {
     pthread_cond_t done; /* callers wait here for finished jobs */
     Job *head, *tail;
     int64_t submitted, finished;
-    int waiters, closing, started;
+    int waiters, closing, started, joining;
     pthread_t thread;
     pid_t pid;
 } Queue;
@@ -1014,15 +1014,28 @@ static void* queue_main(void* argument) {
     return NULL;
 }
 
-/* Stops the thread once every queued job has run (GIL held or not: the thread never takes it). */
+/* Stops the thread once every queued job has run (GIL held or not: the thread never takes it).
+   A second caller meanwhile waits for the first one's join. */
 static void queue_stop(Queue* q) {
     pthread_mutex_lock(&q->lock);
     q->closing = 1;
-    int started = q->started;
-    q->started = 0;
     pthread_cond_signal(&q->work);
+    int join = q->started && !q->joining;
+    if (join) {
+        q->joining = 1;
+    } else {
+        q->waiters++;
+        while (q->joining) pthread_cond_wait(&q->done, &q->lock);
+        q->waiters--;
+    }
     pthread_mutex_unlock(&q->lock);
-    if (started) pthread_join(q->thread, NULL);
+    if (!join) return;
+    pthread_join(q->thread, NULL);
+    pthread_mutex_lock(&q->lock);
+    q->started = 0;
+    q->joining = 0;
+    pthread_cond_broadcast(&q->done);
+    pthread_mutex_unlock(&q->lock);
 }
 
 static void queue_destroy(PyObject* capsule) {
@@ -1052,9 +1065,15 @@ static PyObject* queue_new(PyObject* module, PyObject* const* args, Py_ssize_t n
     if (check_args(nargs, 0, "queue_new")) return NULL;
     Queue* q = (Queue*)calloc(1, sizeof(Queue));
     if (q == NULL) return PyErr_NoMemory();
-    if (pthread_mutex_init(&q->lock, NULL) || pthread_cond_init(&q->work, NULL) ||
-        pthread_cond_init(&q->done, NULL)) {
-        free(q); /* initializers fail only for want of memory or of a system resource */
+    /* initializers fail only for want of memory or of a system resource */
+    int made = 0;
+    if (pthread_mutex_init(&q->lock, NULL) == 0) made = 1;
+    if (made == 1 && pthread_cond_init(&q->work, NULL) == 0) made = 2;
+    if (made == 2 && pthread_cond_init(&q->done, NULL) == 0) made = 3;
+    if (made < 3) {
+        if (made >= 2) pthread_cond_destroy(&q->work);
+        if (made >= 1) pthread_mutex_destroy(&q->lock);
+        free(q);
         return PyErr_NoMemory();
     }
     q->pid = getpid();
@@ -1068,10 +1087,16 @@ static PyObject* queue_new(PyObject* module, PyObject* const* args, Py_ssize_t n
     return capsule;
 }
 
-/* Starts the thread with every signal blocked (they go to Python's threads); lock held. */
+/* Starts the thread with the asynchronous signals blocked (they go to Python's threads; a fault
+   of its own still reaches the handlers, faulthandler's included); lock held. */
 static int queue_start(Queue* q) {
     sigset_t all, previous;
     sigfillset(&all);
+    sigdelset(&all, SIGSEGV);
+    sigdelset(&all, SIGBUS);
+    sigdelset(&all, SIGFPE);
+    sigdelset(&all, SIGILL);
+    sigdelset(&all, SIGABRT);
     pthread_sigmask(SIG_SETMASK, &all, &previous);
     int failed = pthread_create(&q->thread, NULL, queue_main, q);
     pthread_sigmask(SIG_SETMASK, &previous, NULL);
@@ -1086,7 +1111,8 @@ static int queue_start(Queue* q) {
  * draws the ``m`` positions of the subsample as ``draw`` does, in place of ``index`` (then 0).
  * ``numbers`` holds one float64 more than ``profile``'s, after the grid, where the job writes
  * its status (STATUS_NO_MEMORY: nothing usable). The ticket counts the jobs submitted, this one
- * included; where no thread can start, the job runs here, before returning.
+ * included; on a closed queue, or where no thread can start, the job runs here, after those
+ * before it and before returning.
  */
 static PyObject* queue_submit(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
     (void)module;
@@ -1130,15 +1156,20 @@ static PyObject* queue_submit(PyObject* module, PyObject* const* args, Py_ssize_
     }
     ticket = ++q->submitted;
     pthread_mutex_unlock(&q->lock);
-    if (inline_job) { /* closed, or no thread: run it now, and count it as finished */
+    if (inline_job) { /* closed, or no thread: run it now, in its turn, and count it as run */
         Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&q->lock);
+        q->waiters++;
+        while (q->finished < ticket - 1) pthread_cond_wait(&q->done, &q->lock);
+        q->waiters--;
+        pthread_mutex_unlock(&q->lock);
         job_run(job);
-        Py_END_ALLOW_THREADS
         free(job);
         pthread_mutex_lock(&q->lock);
         q->finished++;
         if (q->waiters) pthread_cond_broadcast(&q->done);
         pthread_mutex_unlock(&q->lock);
+        Py_END_ALLOW_THREADS
     }
     return PyLong_FromLongLong(ticket);
 }

@@ -3,7 +3,9 @@
 On the CPU the default profile's work for one tensor (sums, extremes, zeros, the quartiles'
 order statistics, the histogram, and the values the built-in reducers make of them: ``profile``)
 is one call into ``_kernels``, which releases the GIL for all of it; so is drawing the
-quartiles' subsample positions (``draw_positions``). The extension is optional: a build
+quartiles' subsample positions (``draw_positions``). Where POSIX threads are (not on Windows),
+the kernels also have a reduction queue: ``submit_profile`` hands a ``profile`` to a thread of
+theirs that never takes the GIL (``_native_worker``). The extension is optional: a build
 without a C compiler has none, and ``TORCHINSTRUMENTS_NATIVE=0`` in the environment (read at
 import) leaves it unused. Without it the same statistics come from numpy and torch (``_host``,
 ``_host_binning``, ``_select``):
@@ -209,7 +211,11 @@ def profile(
 def _profile_buffers(
     dtype: torch.dtype, size: int, plan: QuantilePlan | None, bins: int, *, status: bool
 ) -> tuple[NDArray[np.int64], NDArray[np.float64], NDArray[np.float64], NDArray[np.floating]]:
-    """``profile``'s ranks and levels, and the buffers it writes (``status``: one float more)."""
+    """``profile``'s ranks and levels, and the buffers it writes.
+
+    With ``status``, ``numbers`` holds one float64 more, its last: where a queued job writes its
+    status (``_kernels.c`` puts it right after the grid, which is where this one ends).
+    """
     ranks, table = (_NO_RANKS, _NO_TABLE) if plan is None or not size else (plan.ranks, plan.table)
     numbers = np.empty(_SUMMARY + ranks.size + _GRID + status, dtype=np.float64)
     out = np.empty(
@@ -225,8 +231,8 @@ GIL: ``queue_submit``); a build for Windows has none."""
 
 def new_queue() -> object:
     """An empty reduction queue of the kernels (its thread starts with the first job)."""
-    assert KERNELS is not None, "new_queue needs the kernels' queue (check QUEUE)"
-    assert QUEUE, "new_queue needs the kernels' queue (check QUEUE)"
+    if KERNELS is None or not QUEUE:
+        raise RuntimeError("the compiled kernels have no reduction queue here (check QUEUE)")
     return KERNELS.queue_new()
 
 
@@ -276,25 +282,18 @@ def submit_profile(
     assert KERNELS is not None, "submit_profile needs the kernels (check QUEUE)"
     dtype = values.dtype
     ranks, table, numbers, out = _profile_buffers(dtype, size, plan, bins, status=True)
-    data, numel, code = values.data_ptr(), values.numel(), _DTYPES[dtype]
     if queue is not None:
+        data, numel, code = values.data_ptr(), values.numel(), _DTYPES[dtype]
         ticket = KERNELS.queue_submit(
             queue, seed, data, numel, code, 0, size, ranks, table, bins, numbers, out
         )
         return Queued(ticket, numbers, out, values, plan)
-    index = None if seed is None else draw_positions(seed, numel, size)
-    numbers[-1] = KERNELS.profile(
-        data,
-        numel,
-        code,
-        0 if index is None else index.data_ptr(),
-        size,
-        ranks,
-        table,
-        bins,
-        numbers[:-1],
-        out,
-    )
+    try:  # as the queue's thread would: its own draw, and no memory a status, not an error
+        index = None if seed is None else draw_positions(seed, values.numel(), size)
+        profiled = profile(values, index, size, plan, bins)
+        numbers[:-1], numbers[-1], out = profiled.numbers, profiled.status, profiled.values
+    except MemoryError:
+        numbers[-1] = STATUS_NO_MEMORY
     return Queued(None, numbers, out, values, plan)
 
 

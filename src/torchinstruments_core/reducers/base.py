@@ -134,10 +134,11 @@ class PreparedTensor:
 
         On the CPU the generator gives a seed and ``_native.draw_positions`` the positions from
         it (a third of ``torch.randint``'s time there); elsewhere ``torch.randint`` draws them.
-        With a cache, the generator gives one seed a sample (kept in the cache as a Python int,
-        under ``numel`` -1, which no tensor has) and each size's draw a seed mixed from it and
-        the size (``_native.mix_seed``, SplitMix64): one torch call a sample instead of one a
-        size, each about 50 us in a hook, where the model's kernels have left the caches cold.
+        With a cache, the sample has one seed (kept in the cache as a Python int, under
+        ``numel`` -1, which no tensor has: the engine's caches come with it, ``seeded_cache``;
+        else the generator gives it at the first size) and each size's draw a seed mixed from
+        it and the size (``_native.mix_seed``, SplitMix64): no torch call a size, each about
+        50 us in a hook, where the model's kernels have left the caches cold.
 
         Tensors of the same sample and the same ``numel`` share one draw: each tensor's subsample
         is still uniform and independent of its values, which is all an error bound needs, and a
