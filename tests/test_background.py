@@ -1299,12 +1299,16 @@ def _changed_after_forward(background_reductions: bool) -> RecordingSink:
     return _observed(model, background_reductions, run)
 
 
-def test_an_output_changed_after_the_forward_is_dropped_once_then_copied() -> None:
+def test_an_output_changed_after_the_forward_is_dropped_once_then_copied(
+    monkeypatch: Any,
+) -> None:
     """An output a forward left unchanged is shared; changed later, its values are dropped once.
 
     Only the sample that read it without a copy loses them (``modified_in_place``); the others
-    have the values of inline reduction, the output as its hook saw it.
+    have the values of inline reduction, the output as its hook saw it. The Python worker's
+    (the kernels' queue, which would take these small samples, copies every tensor).
     """
+    monkeypatch.setattr(NativeWorker, "available", staticmethod(lambda: False))
     worker, inline = _changed_after_forward(True), _changed_after_forward(False)
 
     def changed(row: Any) -> bool:
@@ -1483,12 +1487,14 @@ def test_only_what_autograd_computed_is_read_without_a_copy() -> None:
         assert not _computed(weight * 2)
 
 
-def test_a_change_found_at_a_hook_makes_the_next_open_sample_copy() -> None:
+def test_a_change_found_at_a_hook_makes_the_next_open_sample_copy(monkeypatch: Any) -> None:
     """With several samples open, only the one read when the change was found loses values.
 
     Each forward's output changes in place after the forward; the second sample shares it,
-    and the third sample's first hook finds the change and copies from then on.
+    and the third sample's first hook finds the change and copies from then on. The Python
+    worker's (the kernels' queue, which would take these small samples, copies every tensor).
     """
+    monkeypatch.setattr(NativeWorker, "available", staticmethod(lambda: False))
 
     def records(background_reductions: bool) -> RecordingSink:
         torch.manual_seed(0)
@@ -1695,21 +1701,19 @@ def test_gradient_hooks_share_one_eager_wrapper_made_once_per_observer() -> None
 
 
 def _copies_per_sample(monkeypatch: Any, model: nn.Module, steps: int) -> list[list[int]]:
-    """The sizes of the copies each sampled step made for a worker (their ``buffer`` calls).
+    """The sizes of the copies each sampled step made for the worker (its ``buffer`` calls).
 
-    The Python worker's, or the kernels' queue's (``NativeWorker``), which a small sample's
-    tensors go to.
+    Without the kernels' queue, which would take these small samples and copies every tensor.
     """
     copied: list[list[int]] = []
-    for worker in (ReductionWorker, NativeWorker):
+    buffer = ReductionWorker.buffer
 
-        def watched(
-            self: Any, numel: int, dtype: torch.dtype, buffer: Any = worker.buffer
-        ) -> torch.Tensor:
-            copied[-1].append(numel)
-            return buffer(self, numel, dtype)
+    def watched(self: ReductionWorker, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        copied[-1].append(numel)
+        return buffer(self, numel, dtype)
 
-        monkeypatch.setattr(worker, "buffer", watched)
+    monkeypatch.setattr(ReductionWorker, "buffer", watched)
+    monkeypatch.setattr(NativeWorker, "available", staticmethod(lambda: False))
     with inject_observer(
         model, sampler=AlwaysSampler(), sink=RecordingSink(), background_reductions=True
     ) as observer:
