@@ -994,6 +994,22 @@ static void job_run(Job* job) {
     job->numbers[5 + job->count + 4] = (double)status;
 }
 
+/* Waits (lock held) until the first ``ticket`` jobs have run. */
+static void wait_finished(Queue* q, int64_t ticket) {
+    q->waiters++;
+    while (q->finished < ticket) pthread_cond_wait(&q->done, &q->lock);
+    q->waiters--;
+}
+
+/* Runs ``job`` (lock not held), frees it and counts it as run (lock held on return). */
+static void run_and_count(Queue* q, Job* job) {
+    job_run(job);
+    free(job);
+    pthread_mutex_lock(&q->lock);
+    q->finished++;
+    if (q->waiters) pthread_cond_broadcast(&q->done);
+}
+
 static void* queue_main(void* argument) {
     Queue* q = (Queue*)argument;
     pthread_mutex_lock(&q->lock);
@@ -1004,11 +1020,7 @@ static void* queue_main(void* argument) {
         q->head = job->next;
         if (q->head == NULL) q->tail = NULL;
         pthread_mutex_unlock(&q->lock);
-        job_run(job);
-        free(job);
-        pthread_mutex_lock(&q->lock);
-        q->finished++;
-        if (q->waiters) pthread_cond_broadcast(&q->done);
+        run_and_count(q, job);
     }
     pthread_mutex_unlock(&q->lock);
     return NULL;
@@ -1159,15 +1171,9 @@ static PyObject* queue_submit(PyObject* module, PyObject* const* args, Py_ssize_
     if (inline_job) { /* closed, or no thread: run it now, in its turn, and count it as run */
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&q->lock);
-        q->waiters++;
-        while (q->finished < ticket - 1) pthread_cond_wait(&q->done, &q->lock);
-        q->waiters--;
+        wait_finished(q, ticket - 1);
         pthread_mutex_unlock(&q->lock);
-        job_run(job);
-        free(job);
-        pthread_mutex_lock(&q->lock);
-        q->finished++;
-        if (q->waiters) pthread_cond_broadcast(&q->done);
+        run_and_count(q, job);
         pthread_mutex_unlock(&q->lock);
         Py_END_ALLOW_THREADS
     }
@@ -1196,9 +1202,7 @@ static PyObject* queue_wait(PyObject* module, PyObject* const* args, Py_ssize_t 
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&q->lock);
     if (ticket > q->submitted) ticket = q->submitted;
-    q->waiters++;
-    while (q->finished < ticket) pthread_cond_wait(&q->done, &q->lock);
-    q->waiters--;
+    wait_finished(q, ticket);
     pthread_mutex_unlock(&q->lock);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
