@@ -431,15 +431,28 @@ def test_a_child_made_by_fork_copies_without_the_lock_and_keeps_no_spares() -> N
 
 
 def test_a_job_submitted_while_the_queue_closes_runs_after_those_before_it() -> None:
-    """A job that finds the queue closing runs in the caller, and only once the others ran."""
+    """A job that finds the queue closing runs in the caller, and only once the others ran.
+
+    Forty jobs of 4 Mi entries keep the thread busy for a while; this thread closes the queue
+    (waiting for them) while another, 0.1 s later, submits one more: that one returns only
+    once all forty have run, itself the forty-first.
+    """
     queue = _native.new_queue()
-    values = torch.randn(300_000)
-    queued = [_queued(queue, values, 11, 64) for _ in range(20)]
-    closer = threading.Thread(target=_native.queue_close, args=(queue,))
-    closer.start()
-    late = _queued(queue, values, 11, 64)
-    assert late.ticket == 21
-    assert _native.queue_finished(queue) == 21  # every earlier job ran before it returned
-    closer.join()
+    values = torch.randn(4 * 2**20)
+    queued = [_queued(queue, values, 11, 64) for _ in range(40)]
+    late: list[_native.Queued] = []
+    seen: list[int] = []
+
+    def submit_late() -> None:
+        time.sleep(0.1)  # this thread is in ``queue_close`` by then: the queue is closing
+        late.append(_queued(queue, torch.randn(1000), 11, 64))
+        seen.append(_native.queue_finished(queue))
+
+    submitter = threading.Thread(target=submit_late)
+    submitter.start()
+    _native.queue_close(queue)
+    submitter.join()
+    assert late[0].ticket == 41
+    assert seen == [41]  # the forty before it had run when it returned
     assert all(q.profiled().status == _native.STATUS_OK for q in queued)
-    assert late.profiled().values.tolist() == queued[0].profiled().values.tolist()
+    assert late[0].profiled().status == _native.STATUS_OK

@@ -151,7 +151,11 @@ class NativeWorker:
             return None
         with self._lock:
             self._budget = max(self._budget, nbytes)
-            self._collect()
+            # read back only for room: the rest waits for the sample's close, where the values
+            # are read back to back (a read-back in a hook, between the model's kernels, takes
+            # several times as long)
+            if self._held + nbytes > self._budget:
+                self._collect()
             while self._pending and self._held + nbytes > self._budget:
                 self._collect(self._pending[0][0])
             self._held += nbytes  # before the copy: ``buffer`` trims the spares to make room
