@@ -10,8 +10,10 @@ copies the tensor (gradients too), works out what to ask the kernels for, and qu
 the sample's seed, while the model computes. Reading each job's values back costs the training
 thread about what the Python worker's GIL does on larger samples, which keep that worker.
 Each job's values are read back (``ProfileJob.complete``) on a thread that measures or
-settles, in the order the jobs were submitted, once the job has run: at the next hand-over, or
-when the sample closes and waits for it. A tensor whose values the kernels do not finish (a
+settles, in the order the jobs were submitted, once the job has run: when the sample closes
+and waits for them, back to back, where the interpreter's caches are warm (read back in a
+hook, between the model's kernels, a job took several times as long), or at a hand-over that
+needs their room. A tensor whose values the kernels do not finish (a
 NaN or an infinity, squares that need scaling) goes through the reducers there, in Python, on
 the copy the job read.
 
