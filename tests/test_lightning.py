@@ -19,6 +19,7 @@ from lightning_helpers import Regressor, loader, telemetry_dir, trainer
 from torchinstruments_core import ConfigurationError
 from torchinstruments_core._background import ReductionWorker
 from torchinstruments_core._measure import Measurer
+from torchinstruments_core._native_worker import NativeWorker
 from torchinstruments_lightning import TelemetryMonitor
 
 SAMPLED = [0, 3, 6, 9]
@@ -403,35 +404,45 @@ def test_the_reduction_worker_gives_lightning_the_same_values(
     assert [step for step, _ in found[True][1]] == [0, 2, 4]
 
 
-def test_a_small_model_leaves_the_worker_after_its_first_sample(
+def test_a_small_model_goes_to_the_kernels_queue_after_its_first_sample(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """BoringModel under a real Trainer, a core free, ``background_reductions=None`` (default).
 
     Its samples are small (``SMALL_SAMPLE_ENTRIES``): the first goes to the worker, the later
-    ones are reduced in the hooks; the history equals the one reduced in the hooks throughout.
+    ones to the kernels' reduction queue (in the hooks where the kernels have none); the history
+    equals the one reduced in the hooks throughout.
     """
     import torchinstruments_core._measure as measure_module
 
     monkeypatch.setattr(measure_module, "free_core", lambda: True)
     per_sample: list[int] = []
+    queued: list[int] = []
     submit, new_sample = ReductionWorker.submit, Measurer.new_sample
+    queue_submit = NativeWorker.submit
 
     def counted(self: ReductionWorker, nbytes: int, make: Any) -> int | None:
         per_sample[-1] += 1
         return submit(self, nbytes, make)
 
+    def counted_queue(self: NativeWorker, nbytes: int, make: Any) -> int | None:
+        queued[-1] += 1
+        return queue_submit(self, nbytes, make)
+
     def starting(self: Measurer, *, forward: bool = False) -> None:
         if forward:
             per_sample.append(0)
+            queued.append(0)
         new_sample(self, forward=forward)
 
     monkeypatch.setattr(ReductionWorker, "submit", counted)
+    monkeypatch.setattr(NativeWorker, "submit", counted_queue)
     monkeypatch.setattr(Measurer, "new_sample", starting)
     found = {}
     for background in (None, False):
         root = tmp_path / str(background)
         per_sample.clear()
+        queued.clear()
         pl.seed_everything(0)
         monitor = TelemetryMonitor(every_n_steps=2, background_reductions=background)
         trainer(root, max_steps=6, callbacks=[monitor], limit_val_batches=0).fit(BoringModel())
@@ -439,6 +450,8 @@ def test_a_small_model_leaves_the_worker_after_its_first_sample(
             assert len(per_sample) == 3
             assert per_sample[0] > 0
             assert per_sample[1:] == [0, 0]
+            later = [per_sample[0]] * 2 if NativeWorker.available() else [0, 0]
+            assert queued == [0, *later]  # each later sample's tensors, all on the queue
         history = _history(root).sort(["step", "layer", "signal", "tensor_path", "metric"])
         found[background] = history.select(
             ["step", "layer", "signal", "tensor_path", "metric", "value"]
