@@ -282,6 +282,44 @@ def test_a_measurement_by_the_queue_is_the_hooks_one(monkeypatch: pytest.MonkeyP
     queued.close()
 
 
+def test_a_job_out_of_memory_is_reduced_by_the_reducers_with_the_hooks_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job whose thread could not allocate its positions (``STATUS_NO_MEMORY``) loses nothing.
+
+    Its numbers are not read: the reducers run on the copy the job read, with the sample's
+    positions, and give the values, histogram and reasons the hooks give. Here every job
+    reports the status, as the queue's thread writes it when ``malloc`` fails.
+    """
+    reported: list[int] = []
+
+    def out_of_memory(queued: _native.Queued) -> _native.Profiled:
+        reported.append(queued.source.numel())
+        numbers = np.full_like(queued.numbers[:-1], np.nan)  # whatever the job left: unread
+        return _native.Profiled(_native.STATUS_NO_MEMORY, numbers, np.full_like(queued.values, 7))
+
+    monkeypatch.setattr(_native.Queued, "profiled", out_of_memory)
+    queued, hooks = _queue_measurer(), _hooks_measurer()
+    generator = torch.Generator().manual_seed(3)
+    tensors = [
+        torch.randn(64, 256, generator=generator),  # subsampled quartiles
+        torch.randn(640, generator=generator),  # exact ones
+        torch.randn(20_000, dtype=torch.float64, generator=generator),
+    ]
+    one = [queued.measure(t, with_histogram=True) for t in tensors]
+    other = [hooks.measure(t, with_histogram=True) for t in tensors]
+    for tensor, a, b in zip(tensors, one, other, strict=True):
+        assert a.settle() is None
+        assert (a.reason, b.reason, a.errors) == (None, None, []), tensor.shape
+    assert reported == [t.numel() for t in tensors]  # every job went to the queue, and failed
+    for tensor, a, b in zip(tensors, one, other, strict=True):
+        assert [floats(r.values) for r in a.results] == [floats(r.values) for r in b.results]
+        assert floats(a.histogram) == floats(b.histogram)
+        assert a.n_finite is not None
+        assert float(a.n_finite) == tensor.numel()
+    queued.close()
+
+
 def test_a_shared_gradient_is_copied_for_the_queue_and_keeps_its_values() -> None:
     """A tensor the Python worker would read as it is goes to the queue as a copy.
 
