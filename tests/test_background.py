@@ -1354,7 +1354,7 @@ def test_only_tensors_whose_changes_move_their_version_are_shared(tmp_path: Any)
 
     ``Measurer`` reads whether a group is up at the first shared tensor of each sample.
     """
-    from torchinstruments_core._measure import shareable
+    from torchinstruments_core._measurement import shareable
 
     assert shareable(torch.randn(3))
     jagged = [torch.randn(2), torch.randn(3)]

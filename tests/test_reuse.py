@@ -232,7 +232,7 @@ def test_a_late_site_of_a_closed_sample_leaves_a_held_measurement_to_the_closer(
     Whoever closed the sample settles it (possibly on another thread at that moment); a
     measurement of the sample's own, reused for the late site, is not settled twice.
     """
-    from torchinstruments_core._measure import Measurement
+    from torchinstruments_core._measurement import Measurement
     from torchinstruments_core._sample import Sample, Site
 
     class Worker:

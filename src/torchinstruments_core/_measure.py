@@ -1,15 +1,14 @@
 """Measure one tensor: decide whether it can be reduced, then run the reducers on its device.
 
-Nothing here leaves the device. A ``Measurement`` holds device tensors (or the reason a value is
-missing) until the sample closes and every measurement crosses to the host in one transfer;
-where the compiled kernels reduced a CPU tensor in one call (``FusedReductions``), it holds
-their values as host floats instead, which need no transfer. On
-the CPU, where torch leaves a core free, the reducers run on the reduction worker
-(``_background``) on a copy of the tensor: the measurement is then filled in later, and
-``Measurement.settle`` (called before its values are read) waits for it. Gradients handed to
-hooks, and outputs that an earlier forward left unchanged, are not copied
-(``Measurer.measure(shared=True)``): that they did not change is checked once the worker is
-done with them.
+Nothing here leaves the device. A ``Measurement`` (``_measurement``) holds device tensors (or the
+reason a value is missing) until the sample closes and every measurement crosses to the host in one
+transfer; where the compiled kernels reduced a CPU tensor in one call (``FusedReductions``), it
+holds their values as host floats instead, which need no transfer. On the CPU, where torch leaves a
+core free, the reducers run on the reduction worker (``_background``) on a copy of the tensor: the
+measurement is then filled in later, and ``Measurement.settle`` (called before its values are read)
+waits for it. Gradients handed to hooks, and outputs that an earlier forward left unchanged, are
+not copied (``Measurer.measure(shared=True)``): that they did not change is checked once the worker
+is done with them.
 """
 
 from __future__ import annotations
@@ -17,13 +16,22 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from torchinstruments_core._background import ReductionWorker, free_core
+from torchinstruments_core._measurement import (
+    Measurement,
+    ReducerResult,
+    checked,
+    forget_frames,
+    process_groups_up,
+    reduced,
+    reducer_error_reason,
+    shareable,
+    unalias,
+)
 from torchinstruments_core._native_worker import NativeWorker, ProfileJob
 from torchinstruments_core._plain import plain_tensor
 from torchinstruments_core._records import UnavailableReason
@@ -43,8 +51,6 @@ if TYPE_CHECKING:
 
     from torchinstruments_core.reducers.base import IndexCache
 
-_MAX_ERROR_TEXT = 200
-
 SMALL_SAMPLE_ENTRIES = 2**19
 """With ``background=None``, what is measured from one forward sample's start to the next's
 leaves the Python worker when the stretch before it measured at most this many CPU entries
@@ -59,124 +65,6 @@ hooks (one run each, a minute apart), and the queue cut it from 1.82x in the hoo
 queued job's values back costs the training thread about 40-60 us a tensor in a real step,
 about what the worker's GIL costs it there (LeNet-5, 1.9 M entries a sample: 1.45x either
 way); at batch 1024 (3.2 M entries) the MLP cost 1.5x on the worker and 2.0x in the hooks."""
-
-
-@dataclass(slots=True)
-class ReducerResult:
-    """What one reducer gave for one tensor: its values, or the reason it gave none.
-
-    The values are a tensor on the measured tensor's device, or floats on the host already
-    where the compiled kernels reduced a CPU tensor (``FusedReductions``): those need no
-    transfer, and reading them back from tensors cost a tensor about 25 us in torch calls.
-    """
-
-    metrics: tuple[str, ...]
-    values: torch.Tensor | list[float] | None
-    error: str | None = None
-
-
-@dataclass(slots=True)
-class Measurement:
-    """The reductions of one tensor, still on its device.
-
-    ``reason`` is set when no value exists: an ``UnavailableReason``, or a ``reducer_error: …``
-    text when preparing the tensor raised (the error is then in ``errors``).
-    """
-
-    reason: str | None
-    metrics: tuple[str, ...]
-    n_finite: torch.Tensor | float | None = None
-    """The finite entries: a 0-d device tensor, or a float on the host (as the values are)."""
-    results: list[ReducerResult] = field(default_factory=list)
-    histogram: torch.Tensor | list[float] | None = None
-    """The packed histogram (``pack_histogram``): device tensor or host floats."""
-    histogram_bins: int = 0
-    histogram_float64: bool = False
-    errors: list[BaseException] = field(default_factory=list)
-    worker: ReductionWorker | NativeWorker | None = None
-    """The worker filling this measurement in (job ``ticket``); ``None`` once settled."""
-    ticket: int | None = None
-    finishers: list[Callable[[Measurement], None]] = field(default_factory=list)
-    shared: tuple[torch.Tensor, int] | None = None
-    """The tensor the worker reduces instead of a copy, and its version at the hand-over."""
-    changed: Callable[[], None] | None = None
-    """Called by ``let_go`` when the shared tensor changed (its values are then dropped)."""
-
-    def then(self, finish: Callable[[Measurement], None]) -> None:
-        """Call ``finish(self)`` once complete: now, or in the ``settle`` that completes it.
-
-        Either way it runs on the thread that measured or settles, never on the worker, so it
-        may warn or raise (``error_policy``).
-        """
-        if self.worker is None:
-            finish(self)
-        else:
-            self.finishers.append(finish)
-
-    def settle(self) -> Exception | None:
-        """Wait for the worker to fill this measurement in, then run what ``then`` deferred.
-
-        Every deferred call runs even if one raises (a warning turned into an error); the first
-        error is returned, for the caller to raise once the sample is safe.
-        """
-        if self.worker is None:
-            return None
-        if self.ticket is not None:
-            self.worker.wait(self.ticket)
-        self.worker = None
-        self.let_go()
-        finishers, self.finishers = self.finishers, []
-        first: Exception | None = None
-        for finish in finishers:
-            try:
-                finish(self)
-            except Exception as error:
-                first = first or error
-        return first
-
-    def let_go(self) -> None:
-        """Once the worker is done with a shared tensor: drop it, and its values if it changed.
-
-        Call it where no torch op of the thread that runs the backward is under way (in a
-        hook, or as the sample closes): an in-place change that overlapped the reductions
-        has then finished, and counted in the tensor's version.
-        """
-        shared, self.shared = self.shared, None
-        if shared is not None and version(shared[0]) != shared[1]:
-            self.reason = UnavailableReason.MODIFIED_IN_PLACE
-            self.n_finite, self.histogram = None, None
-            self.results.clear()
-            self.errors.clear()  # a reducer that choked on entries changing under it did not fail
-            if self.changed is not None:
-                self.changed()
-
-
-def shareable(tensor: torch.Tensor, *, groups: bool | None = None) -> bool:
-    """Whether any in-place change of ``tensor`` would move its version (``Measurer.measure``).
-
-    Not a wrapper subclass (a ``DTensor``'s ops move its own version, not its local tensor's),
-    a nested tensor or an inference tensor (which has no version), and not once a process
-    group is up: a collective (a tensor-parallel ``all_reduce`` of a gradient in its
-    ``backward``) writes into a tensor without moving its version. ``groups``: whether one is
-    up, if the caller knows (``process_groups_up``), else asked here.
-    """
-    return (
-        type(tensor) is torch.Tensor
-        and not tensor.is_nested
-        and not tensor.is_inference()
-        and not (process_groups_up() if groups is None else groups)
-    )
-
-
-def process_groups_up() -> bool:
-    """Whether a default process group is up (``torch.distributed`` initialized)."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def reducer_error_reason(error: BaseException) -> str:
-    """The ``unavailable_reason`` of a value whose reducer raised."""
-    text = f"{UnavailableReason.REDUCER_ERROR}: {type(error).__name__}: {error}"
-    return text[:_MAX_ERROR_TEXT]
 
 
 def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -373,7 +261,7 @@ class Measurer:
         may be in the middle of an in-place op whose version moves only when it returns.
         """
         pending = self._shared.get(threading.get_ident())
-        while pending and _reduced(pending[0]):
+        while pending and reduced(pending[0]):
             pending.popleft().let_go()
 
     def _plain(
@@ -441,9 +329,9 @@ class Measurer:
         def job() -> None:
             self._fill(copy, measurement, with_histogram, cache, source_dtype)
             if aliased is not None:  # a result that is a view of it gets storage of its own
-                _unalias(measurement, aliased)
+                unalias(measurement, aliased)
             for error in measurement.errors:  # its frames would keep the copy alive
-                _forget_frames(error)
+                forget_frames(error)
 
         return job, buffer
 
@@ -485,7 +373,7 @@ class Measurer:
         if values.is_cpu and not _same_storage(values, plain):
             # the flat working-dtype copy made here: a result that views it (a custom reducer's
             # slice) must not keep all of it alive until the sample is delivered
-            _unalias(measurement, values)
+            unalias(measurement, values)
 
     def _fill_fused(
         self, prepared: PreparedTensor, measurement: Measurement, with_histogram: bool
@@ -564,9 +452,9 @@ class Measurer:
                 self._fused_into(measurement, fused, numel)
                 return
             self._fill(values, measurement, with_histogram, cache, source_dtype, fused=False)
-            _unalias(measurement, values)  # nothing the reducers give may keep the copy alive
+            unalias(measurement, values)  # nothing the reducers give may keep the copy alive
             for error in measurement.errors:  # their frames would keep it alive too
-                _forget_frames(error)
+                forget_frames(error)
 
         return ProfileJob(values, seed, call, finish, buffer)
 
@@ -574,7 +462,7 @@ class Measurer:
         self, reducer: Reducer, prepared: PreparedTensor, measurement: Measurement
     ) -> ReducerResult:
         try:
-            values = _checked(reducer.reduce(prepared), len(reducer.metrics))
+            values = checked(reducer.reduce(prepared), len(reducer.metrics))
             return ReducerResult(reducer.metrics, values)
         except Exception as error:  # a reducer must never break the forward (error_policy decides)
             measurement.errors.append(error)
@@ -583,7 +471,7 @@ class Measurer:
     def _run_histogram(self, prepared: PreparedTensor, measurement: Measurement) -> None:
         try:
             packed = self.histogram.reduce(prepared)
-            measurement.histogram = _checked(packed, self.histogram.bins + 4)
+            measurement.histogram = checked(packed, self.histogram.bins + 4)
             measurement.histogram_bins = self.histogram.bins
             measurement.histogram_float64 = prepared.values.dtype == torch.float64
         except Exception as error:
@@ -620,12 +508,6 @@ def _flat_copy(plain: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
-def _reduced(measurement: Measurement) -> bool:
-    """Whether the worker filling ``measurement`` in has done so (or none was given it)."""
-    worker = measurement.worker
-    return worker is None or worker.done(measurement.ticket)
-
-
 def _same_storage(one: torch.Tensor, other: torch.Tensor) -> bool:
     """Whether two tensors view the same memory."""
     return bool(one.untyped_storage().data_ptr() == other.untyped_storage().data_ptr())
@@ -644,55 +526,3 @@ def _on_device(scale: float | torch.Tensor, tensor: torch.Tensor) -> float | tor
     to_device = tensor.device.type != "cpu"
     plain = scale.detach().reshape(())
     return plain.to(tensor.device, tensor.dtype, non_blocking=to_device)
-
-
-def _checked(values: object, size: int) -> torch.Tensor:
-    """A reducer's result as the flat plain tensor the host transfer can read, or raise why not.
-
-    A wrong result found here costs its reducer's values; found in the transfer, it would cost
-    the whole sample, raised inside the user's backward.
-    """
-    if type(values) is not torch.Tensor:
-        raise TypeError(f"a reducer returned {type(values).__name__}, not a plain torch.Tensor")
-    if values.is_meta or values.dtype.is_complex or values.layout != torch.strided:
-        raise TypeError(
-            f"a reducer returned a {values.dtype} {values.layout} tensor on {values.device}"
-        )
-    if values.numel() != size:
-        raise ValueError(f"a reducer returned {values.numel()} values for {size} metrics")
-    # a torch call releases the GIL on the worker (``_host.host_values``): none where not needed
-    return values if values.dim() == 1 else values.reshape(-1)
-
-
-def _forget_frames(error: BaseException) -> None:
-    """Drop the tracebacks of ``error`` and of the errors it was raised from or during."""
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [error]
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        current.with_traceback(None)
-        pending += [current.__cause__, current.__context__]
-
-
-def _unalias(measurement: Measurement, buffer: torch.Tensor) -> None:
-    """Give the results that are views of ``buffer`` storage of their own.
-
-    A reducer may return a slice of its input, and the buffer is reused for later copies
-    before the results are read.
-    """
-    storage = buffer.untyped_storage().data_ptr()
-
-    def own(values: torch.Tensor) -> torch.Tensor:
-        return values.clone() if values.untyped_storage().data_ptr() == storage else values
-
-    # host floats (the kernels' values) view no buffer: only tensors may need a copy
-    for result in measurement.results:
-        if isinstance(result.values, torch.Tensor):
-            result.values = own(result.values)
-    if isinstance(measurement.histogram, torch.Tensor):
-        measurement.histogram = own(measurement.histogram)
-    if isinstance(measurement.n_finite, torch.Tensor):
-        measurement.n_finite = own(measurement.n_finite)

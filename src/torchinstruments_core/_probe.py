@@ -21,7 +21,7 @@ from torch import is_grad_enabled
 from torchinstruments_core._capture import GradientSlot, gradient_signal_site
 from torchinstruments_core._failures import REDUCER_CONSEQUENCE
 from torchinstruments_core._hooks import run_eagerly
-from torchinstruments_core._measure import shareable
+from torchinstruments_core._measurement import shareable
 from torchinstruments_core._nested import iter_tensors
 from torchinstruments_core._profile import CallProfile, CallProfiler, call_device
 from torchinstruments_core._records import Signal
@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 
     from torchinstruments_core._failures import FailureReport
     from torchinstruments_core._layers import Layer
-    from torchinstruments_core._measure import Measurement, Measurer
+    from torchinstruments_core._measure import Measurer
+    from torchinstruments_core._measurement import Measurement
 
 LEARN_BYTES = 8 * 2**20
 """Storage a sample may keep alive to learn which outputs its forward leaves unchanged (8 MiB)."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from torchinstruments_core._measure import shareable
+from torchinstruments_core._measurement import shareable
 from torchinstruments_core._recompute import RecomputeLedger
 from torchinstruments_core._records import (
     HistogramRecord,
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
     from torchinstruments_core._capture import GradientSlot
-    from torchinstruments_core._measure import Measurement
+    from torchinstruments_core._measurement import Measurement
     from torchinstruments_core._profile import CallProfile, Stamp
 
 
@@ -178,7 +178,7 @@ class Sample:
         has not moved since (no in-place op changed it), it was divided by the same ``scale``
         object, and it has a histogram if ``histogram`` asks for one; never once the sample
         has closed. Only tensors whose in-place changes move their version are remembered
-        (``_measure.shareable``). A write that bypasses torch's in-place operators (through
+        (``_measurement.shareable``). A write that bypasses torch's in-place operators (through
         ``.data``, a numpy view) is not seen, as it is not by the reduction worker reading a
         tensor in place.
         """

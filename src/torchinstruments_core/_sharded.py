@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchinstruments_core._measure import Measurement, ReducerResult
+from torchinstruments_core._measurement import Measurement, ReducerResult
 from torchinstruments_core._plain import dtensor_placements
 from torchinstruments_core._records import UnavailableReason
 from torchinstruments_core.reducers import MomentsReducer, QuantileReducer, working_dtype

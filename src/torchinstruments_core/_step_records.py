@@ -21,7 +21,7 @@ import torch
 
 from torchinstruments_core._exceptions import ConfigurationError
 from torchinstruments_core._failures import REDUCER_CONSEQUENCE
-from torchinstruments_core._measure import Measurement, ReducerResult, reducer_error_reason
+from torchinstruments_core._measurement import Measurement, ReducerResult, reducer_error_reason
 from torchinstruments_core._probe import measure_site
 from torchinstruments_core._sample import Sample, Site
 from torchinstruments_core._sharded import ShardedBatch, is_sharded
