@@ -1,11 +1,14 @@
 """What any design that hooks every module in Python pays on a workload, against the observer.
 
     uv run python benchmarks/hook_floor.py [--workload mnist-mlp lenet ...] [--rounds 200]
+        [--threads 1]
 
 One process, one model, one observer attached (its root hooks cost an unsampled step a few
 microseconds). Each round runs, in an order that rotates, two unsampled steps before every
 configuration below, so that each finds the caches as a sampled step does after unsampled
-ones (``paired.py`` measures the same way):
+ones, and one unsampled step after it, timed as that configuration's next step: what it left
+for later (the run directory's writer process starts on a sample once its step is over) falls
+there, as in ``paired.py``:
 
 - ``hooks``: a forward hook on every leaf module and a tensor hook on each output that requires
   grad; both only keep a reference to their tensor until the step ends. What registering and
@@ -15,20 +18,22 @@ ones (``paired.py`` measures the same way):
   reads a single value. The observer copies less: gradients, and outputs a forward showed
   unchanged, are read in place.
 - ``copies + kernels``: those copies reduced by the compiled kernels' ``profile`` on the
-  training thread, once the backward is over: the default profile's statistics, quartiles and a
-  64-bin histogram of every tensor (the observer bins only its focus layers' tensors, at most
-  8). What the reductions cost where no other core takes them.
+  training thread, once the step is over: the default profile's statistics, quartiles (one
+  draw of positions per tensor size, as the observer draws them) and a 64-bin histogram of
+  every tensor (the observer bins only its focus layers' tensors, at most 8). What the
+  reductions cost where no other core takes them.
 - ``observer``: a step the observer samples (default profile, run directory with its writer
   process): hooks, copies, the reductions on another core, the rows and their delivery.
 
 Reported per workload: the median step of each configuration, its ratio to the median of the
-unsampled steps, the time it adds, and the median of its minor page faults (``ru_minflt``):
-memory the step touched for the first time, or again after the C library gave it back to the
-system (glibc returns the top of its heap once more than ``M_TRIM_THRESHOLD`` is free there;
-``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296`` in the environment keep
-it, see the README). The difference between ``observer`` and ``hooks`` is
-what the observer's own Python costs a sampled step beyond the unavoidable; ``copies`` and
-``copies + kernels`` say how much of it the copies and the reductions could take at best.
+unsampled steps, the time it adds, the median of its minor page faults (``ru_minflt``, this
+process's: the writer process's are not counted), and the ratio and faults of the step after it.
+Page faults are memory the step touched for the first time, or again after the C library gave it
+back to the system (glibc returns the top of its heap once more than ``M_TRIM_THRESHOLD`` is free
+there; ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296`` in the environment
+keep it, see the README). The difference between ``observer`` and ``hooks`` is what the observer's
+own Python costs a sampled step beyond the unavoidable; ``copies`` and ``copies + kernels`` say how
+much of it the copies and the reductions could take at best.
 """
 
 from __future__ import annotations
@@ -84,22 +89,36 @@ class FloorHooks:
             output.register_hook(self._keep)
 
     def reduce(self) -> None:
-        """The kernels' default profile of every tensor held, on this thread."""
+        """The kernels' default profile of every tensor held, on this thread.
+
+        One draw of subsample positions per tensor size, as the observer draws them once a
+        sample per size.
+        """
+        positions: dict[int, torch.Tensor] = {}
         for tensor in self.held:
             values = tensor.reshape(-1)
-            call = _call(values.numel(), DEFAULT_SAMPLE_SIZE, BINS)
-            index = _native.draw_positions(7, values.numel(), call.size) if call.drawn else None
+            numel = values.numel()
+            call = _call(numel, DEFAULT_SAMPLE_SIZE, BINS)
+            index = None
+            if call.drawn:
+                index = positions.get(numel)
+                if index is None:
+                    index = positions[numel] = _native.draw_positions(7, numel, call.size)
             _native.profile(values, index, call.size, call.plan, call.bins)
 
 
 def measure(name: str, rounds: int) -> dict[str, list[tuple[float, int]]]:
-    """Step times (seconds) and minor page faults of the unsampled steps and of each configuration."""
+    """Step times (s) and minor page faults: unsampled steps, each configuration, the next step."""
     workload = build(name, torch.device("cpu"))
     floor = FloorHooks(workload.model)
-    times: dict[str, list[tuple[float, int]]] = {"unsampled": [], **{c: [] for c in CONFIGURATIONS}}
-    with tempfile.TemporaryDirectory() as folder:
-        observer = inject_observer(workload.model, sink=RunDirectorySink(Path(folder) / "run"))
-        counter = iter(range(10**9))
+    times: dict[str, list[tuple[float, int]]] = {"unsampled": []}
+    for configuration in CONFIGURATIONS:
+        times[configuration], times[_next(configuration)] = [], []
+    counter = iter(range(10**9))
+    with (
+        tempfile.TemporaryDirectory() as folder,
+        inject_observer(workload.model, sink=RunDirectorySink(Path(folder) / "run")) as observer,
+    ):
 
         def step(configuration: str) -> tuple[float, int]:
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -120,10 +139,16 @@ def measure(name: str, rounds: int) -> dict[str, list[tuple[float, int]]]:
             for configuration in CONFIGURATIONS[shift:] + CONFIGURATIONS[:shift]:
                 times["unsampled"] += [step("unsampled"), step("unsampled")]
                 times[configuration].append(step(configuration))
+                # what the configuration left for later (the observer's writer process starts
+                # on a sample once its step is over) falls here, not on the unsampled steps
+                times[_next(configuration)].append(step("unsampled"))
             if index % 10 == 9:
                 print(f"{name}: round {index + 1}/{rounds}", end="\r", flush=True)
-        observer.remove()
     return times
+
+
+def _next(configuration: str) -> str:
+    return f"{configuration}: next step"
 
 
 def _run(
@@ -131,40 +156,45 @@ def _run(
 ) -> None:
     try:
         workload.step()
+        if reduce:
+            floor.reduce()
     finally:
         for handle in handles:
             handle.remove()
-    if reduce:
-        floor.reduce()
-    floor.held.clear()
+        floor.held.clear()
 
 
 def report(
     name: str, times: dict[str, list[tuple[float, int]]], out: Callable[[str], None] = print
 ) -> None:
-    """One table row per configuration: median step, ratio, time added and page faults."""
+    """One table row per configuration: median step, ratio, time added, page faults, next step."""
     unsampled = statistics.median(t for t, _ in times["unsampled"])
     faults = statistics.median(f for _, f in times["unsampled"])
     out(f"\n{name}: {WORKLOADS[name].description}")
     out(f"unsampled step {unsampled * 1e3:.2f} ms, {faults:.0f} page faults\n")
-    out("| configuration | step (ms) | ratio | added (ms) | page faults |")
-    out("|---|---|---|---|---|")
+    out("| configuration | step (ms) | ratio | added (ms) | page faults | next step | its faults |")
+    out("|---|---|---|---|---|---|---|")
     for configuration in CONFIGURATIONS:
         median = statistics.median(t for t, _ in times[configuration])
-        added = (median - unsampled) * 1e3
         faulted = statistics.median(f for _, f in times[configuration])
+        after = statistics.median(t for t, _ in times[_next(configuration)])
+        after_faults = statistics.median(f for _, f in times[_next(configuration)])
         out(
-            f"| {configuration} | {median * 1e3:.2f} | {median / unsampled:.3f}x | {added:+.2f}"
-            f" | {faulted:.0f} |"
+            f"| {configuration} | {median * 1e3:.2f} | {median / unsampled:.3f}x"
+            f" | {(median - unsampled) * 1e3:+.2f} | {faulted:.0f} | {after / unsampled:.3f}x"
+            f" | {after_faults:.0f} |"
         )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", nargs="+", default=["mnist-mlp"], choices=sorted(WORKLOADS))
+    cpu = sorted(name for name, spec in WORKLOADS.items() if not spec.cuda_only)
+    parser.add_argument("--workload", nargs="+", default=["mnist-mlp"], choices=cpu)
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    if _native.KERNELS is None:
+        parser.error("the compiled kernels are not built here: `uv sync` builds them")
     torch.set_num_threads(args.threads)
     for name in args.workload:
         report(name, measure(name, args.rounds))

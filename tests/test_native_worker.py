@@ -285,11 +285,13 @@ def test_a_measurement_by_the_queue_is_the_hooks_one(monkeypatch: pytest.MonkeyP
 def test_a_job_out_of_memory_is_reduced_by_the_reducers_with_the_hooks_values(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A job whose thread could not allocate its positions (``STATUS_NO_MEMORY``) loses nothing.
+    """A job whose thread could not allocate its tables (``STATUS_NO_MEMORY``) loses nothing.
 
-    Its numbers are not read: the reducers run on the copy the job read, with the sample's
-    positions, and give the values, histogram and reasons the hooks give. Here every job
-    reports the status, as the queue's thread writes it when ``malloc`` fails.
+    Its numbers are not read: the reducers run on the copy the job read (the sources change
+    after their hooks here), with the sample's subsample positions, and give the values,
+    histogram and reasons the hooks give. Here every job reports the status, as the queue's
+    thread writes it when ``malloc`` fails. Unlike the odd tensors of the test above, two of
+    these are subsampled, so the fallback's positions must be the ones the job would have drawn.
     """
     reported: list[int] = []
 
@@ -304,10 +306,12 @@ def test_a_job_out_of_memory_is_reduced_by_the_reducers_with_the_hooks_values(
     tensors = [
         torch.randn(64, 256, generator=generator),  # subsampled quartiles
         torch.randn(640, generator=generator),  # exact ones
-        torch.randn(20_000, dtype=torch.float64, generator=generator),
+        torch.randn(20_000, dtype=torch.float64, generator=generator),  # subsampled
     ]
     one = [queued.measure(t, with_histogram=True) for t in tensors]
     other = [hooks.measure(t, with_histogram=True) for t in tensors]
+    for tensor in tensors:  # the model's next ops: only the jobs' copies keep the values
+        tensor.fill_(5.0)
     for tensor, a, b in zip(tensors, one, other, strict=True):
         assert a.settle() is None
         assert (a.reason, b.reason, a.errors) == (None, None, []), tensor.shape

@@ -2,10 +2,12 @@
 
 A ``Measurement`` holds each reducer's values (``ReducerResult``) as device tensors or host
 floats, the histogram, and the reason a value is missing; a worker that reduces off the hooks
-fills it in, and ``settle`` waits for that. The helpers here are what the measurer and the step
-records share: whether a tensor may be read in place (``shareable``), the reason text of a
-reducer's error, and the care a result needs before its copy is reused (``unalias``) or its
-error is kept (``forget_frames``).
+fills it in, and ``settle`` waits for that. Beside it: whether a tensor may be read in place
+(``shareable``, asked by the probes, the sample and the measurer), the reason text of a reducer's
+error (the measurer's and the step records'), and what the measurer's jobs do around a
+measurement: whether its worker is done (``reduced``), a reducer's result checked (``checked``),
+results that view a reused copy given storage of their own (``unalias``), and an error's frames
+dropped so that they keep no copy alive (``forget_frames``).
 """
 
 from __future__ import annotations
