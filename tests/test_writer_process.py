@@ -158,6 +158,98 @@ def test_a_killed_writer_process_never_blocks_training_and_every_unwritten_sampl
     assert sink.report.died
 
 
+def _record_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count how the samples leave: written by the training thread, begun there, or queued."""
+    paths = {"direct": 0, "begun": 0, "queued": 0, "largest": 0}
+    write_now = _writer_process.ProcessWriter._write_now
+
+    def counted(self: _writer_process.ProcessWriter, payload: bytes) -> bool:
+        paths["largest"] = max(paths["largest"], len(payload))
+        written = write_now(self, payload)
+        begun = self._carry is not None
+        paths["begun" if written and begun else "direct" if written else "queued"] += 1
+        return written
+
+    monkeypatch.setattr(_writer_process.ProcessWriter, "_write_now", counted)
+    return paths
+
+
+def test_the_training_thread_writes_samples_to_the_pipe_and_the_sender_keeps_their_order(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Samples go to the pipe from the training thread where it has room, in order with the rest.
+
+    With a one-page pipe every sample's message is larger than the pipe: the training thread
+    writes what fits and leaves the rest to the sender, and samples that come meanwhile are
+    queued behind it. The run is the one a writer thread writes, sample for sample.
+    """
+    monkeypatch.setattr(_writer_process, "_PIPE_BYTES", 4096)  # the least a pipe holds
+    paths = _record_paths(monkeypatch)
+    runs = {}
+    for kind in ("process", "thread"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(  # five layers: each sample's message passes a page
+            torch.nn.Linear(4, 32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 2),
+        )
+        sink = RunDirectorySink(tmp_path / kind, writer=kind, chunk_rows=50)
+        observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+        torch.manual_seed(1)
+        _train(model, 1)  # opens the run
+        if kind == "process":
+            _ready(sink)  # from here on the training thread may write
+        for step in range(39):
+            _train(model, 1)
+            if step % 8 == 7:  # let the writer catch up: the next message finds the pipe empty
+                time.sleep(0.2)
+        observer.remove()
+        runs[kind] = tmp_path / kind
+    assert paths["largest"] > 4096  # every message larger than the pipe
+    assert paths["begun"] > 0  # written in part by the training thread, the rest by the sender
+    assert paths["queued"] > 0  # behind a message the sender was finishing
+    assert paths["direct"] + paths["begun"] + paths["queued"] == 40
+    for table in ("history.parquet", "samples.parquet"):
+        drop = ["run_id", "timestamp", "collection_duration_ms"]
+        frames = [pl.read_parquet(runs[k] / table).drop(drop, strict=False) for k in runs]
+        assert frames[0].height > 0
+        assert frames[0].equals(frames[1])
+    assert _result(runs["process"])["status"] == "complete"
+    assert _result(runs["process"])["samples"]["count"] == 40
+
+
+def test_a_full_pipe_never_makes_the_training_thread_wait_for_the_writer(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer process that stops reading (SIGSTOP) leaves the samples queued, not waited on.
+
+    The training thread writes only what the pipe takes at once; with the pipe full, samples
+    queue for the sender until the writer reads again, and then every one of them is written.
+    """
+    monkeypatch.setattr(_writer_process, "_PIPE_BYTES", 4096)
+    paths = _record_paths(monkeypatch)
+    model = Net()
+    sink = RunDirectorySink(tmp_path / "run", chunk_rows=1, flush_seconds=0.05, queue_size=64)
+    observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+    _train(model, 1)  # opens the run
+    pid = _ready(sink)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        _within(60, lambda: _train(model, 19))  # far more than a stopped pipe holds
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert paths["queued"] > 0
+    _within(60, observer.remove)
+    result = _result(tmp_path / "run")
+    assert result["status"] == "complete"
+    assert result["samples"]["count"] == 20
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    assert history.height == 20 * ROWS_PER_SAMPLE
+    assert history["sample_id"].unique().len() == 20
+
+
 @pytest.mark.parametrize("failure", ["no interpreter", "exits at once", "fails to set up"])
 def test_a_writer_process_that_cannot_start_hands_the_run_to_a_thread(
     tmp_path: pathlib.Path,

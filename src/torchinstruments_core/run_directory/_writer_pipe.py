@@ -73,7 +73,7 @@ def send(stream: BinaryIO, content: object) -> None:
     stream.flush()
 
 
-def write_all(pipe: int, data: bytes) -> None:
+def write_all(pipe: int, data: bytes | memoryview) -> None:
     """Write all of ``data`` to ``pipe`` (the GIL released while the pipe is full)."""
     view = memoryview(data)
     while view:

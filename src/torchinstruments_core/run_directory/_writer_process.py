@@ -5,10 +5,12 @@ TensorBoard event and the aggregates of result.json. Run on a thread of the trai
 cost a small CNN's sampled step 2-3 ms (2 cores, one torch thread). The writer held the GIL
 while the optimizer's per-parameter Python waited for it, and the OS could deschedule it in
 favour of the reduction worker while it held it. Here the training thread pickles each record
-(tens of microseconds) and queues it. A sender thread writes the bytes to a pipe, releasing the
-GIL while it writes. The writer process runs the same ``ChunkWriter``, ``TensorBoardHistograms``
-and ``RunAggregates`` the thread ran. At the end it sends back its report and the aggregates,
-and the sink finalizes the run as before, in the training process.
+(about 0.1 ms for a small model's sample) and writes it to a pipe itself, without waiting, when
+nothing is queued before it and the pipe has room; otherwise it queues it, and a sender thread
+writes the bytes, releasing the GIL while it writes (``ProcessWriter._write_now`` says why
+both). The writer process runs the same ``ChunkWriter``, ``TensorBoardHistograms`` and
+``RunAggregates`` the thread ran. At the end it sends back its report and the aggregates, and
+the sink finalizes the run as before, in the training process.
 
 The writer process imports no torch (nor the engine): ``python -c`` with the training process's
 ``sys.path`` loads this package's folders without their ``__init__`` modules, which import torch.
@@ -73,6 +75,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+_CARRY = object()
+"""Wakes the sender for the rest of a message the training thread began (``_write_now``)."""
 _READY_SECONDS = 120.0
 """How long the process may take to start (import Polars and numpy) before the thread writes."""
 _EXIT_SECONDS = 30.0
@@ -132,6 +136,11 @@ class ProcessWriter(PendingError):
         self._process: subprocess.Popen[bytes] | None = None
         self._to_writer: int | None = None
         self._from_writer: BinaryIO | None = None
+        # whoever writes to the pipe holds it; the sender also while the pipe is full
+        self._pipe_lock = threading.Lock()
+        self._count_lock = threading.Lock()  # never held while anything waits
+        self._queued = 0  # items on the queue, or taken off it and not yet written
+        self._carry: memoryview | None = None  # what the pipe did not take of a direct write
         self._sender = threading.Thread(
             target=self._send_loop, name="torchinstruments-writer-pipe", daemon=True
         )
@@ -212,9 +221,56 @@ class ProcessWriter(PendingError):
                 self._extra.add([rows], self._death_reason())
             elif self._thread_writer is None:  # lost if the process dies before its chunk
                 self._unwritten.append(rows)
-        if not dead:
+        if not dead and (payload is None or not self._write_now(payload)):
             self._enqueue((sample, payload))  # False if it died meanwhile: counted as above
         self._raise_pending()
+
+    def _write_now(self, payload: bytes) -> bool:
+        """Write a sample's message to the pipe from this thread, if that needs no waiting.
+
+        The sender thread takes each queued sample with the GIL, which it must win from the
+        training thread at the model's next operation: on an MNIST-sized MLP (2.3 ms steps) that
+        hand-over cost a sampled step about 0.04-0.1x (0.1-0.2 ms; ``benchmarks/RESULTS.md``).
+        Here the message is written at once when nothing is queued or half written before it
+        (so the messages keep their order) and no other thread writes: a write that would wait
+        (the pipe full) is not made, and the sample is queued instead. What the pipe does not
+        take of the message is left for the sender (``_carry``), which writes it before
+        anything else.
+
+        Returns:
+            Whether the message is on its way (all of it written, or the rest left to the
+            sender); ``False``: nothing was written, queue the sample.
+        """
+        pipe = self._to_writer
+        if pipe is None or not self._usable or self._dead or not self._ready.is_set():
+            return False
+        if not self._pipe_lock.acquire(blocking=False):  # the sender is writing
+            return False
+        try:
+            with self._count_lock:
+                if self._queued or self._carry is not None:
+                    return False
+            data = sample_message(payload)
+            try:
+                os.set_blocking(pipe, False)
+                try:
+                    written = os.write(pipe, data)
+                finally:
+                    os.set_blocking(pipe, True)
+            except OSError:  # full (BlockingIOError), or the process died: the sender says so
+                return False
+            if written < len(data):
+                self._carry = memoryview(data)[written:]
+                with self._count_lock:
+                    self._queued += 1
+                try:
+                    self._queue.put_nowait(_CARRY)
+                except queue.Full:  # the sender writes the rest before the next item it takes
+                    with self._count_lock:
+                        self._queued -= 1
+            return True
+        finally:
+            self._pipe_lock.release()
 
     def finish(self) -> WriterReport:
         """Write what is buffered, stop the process and report (also when it died)."""
@@ -255,7 +311,13 @@ class ProcessWriter(PendingError):
 
     def _enqueue(self, item: object) -> bool:
         """Put ``item`` on the queue unless the process is dead; whether it was queued."""
-        return enqueue(self._queue, item, lambda: not self._dead)
+        with self._count_lock:  # counted first: no direct write may overtake it
+            self._queued += 1
+        queued = enqueue(self._queue, item, lambda: not self._dead)
+        if not queued:
+            with self._count_lock:
+                self._queued -= 1
+        return queued
 
     def _death_reason(self) -> str:
         reason = self._failure or "it exited"
@@ -293,13 +355,21 @@ class ProcessWriter(PendingError):
         try:
             while True:
                 item = self._queue.get()
-                if item is _STOP:
-                    write_all(pipe, message(("finish",)))
-                    break
-                sample, payload = cast("tuple[SampleRecord, bytes | None]", item)
-                data = encode(sample) if payload is None else payload
-                write_all(pipe, sample_message(data))
-                del sample, payload, data, item
+                with self._pipe_lock:
+                    carry, self._carry = self._carry, None
+                    if carry is not None:  # the rest of a message begun by ``_write_now``
+                        write_all(pipe, carry)
+                    if item is _STOP:
+                        write_all(pipe, message(("finish",)))
+                        break
+                    if item is not _CARRY:
+                        sample, payload = cast("tuple[SampleRecord, bytes | None]", item)
+                        data = encode(sample) if payload is None else payload
+                        write_all(pipe, sample_message(data))
+                        del sample, payload, data
+                del carry, item
+                with self._count_lock:
+                    self._queued -= 1
         except OSError as error:  # the process died
             self._reader.join(timeout=_EXIT_SECONDS)  # which says how (its exit status)
             self._failure = self._failure or cause(error)
