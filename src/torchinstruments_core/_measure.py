@@ -227,12 +227,28 @@ class Measurer:
                 self._worker.wait()
             self._fill(plain, measurement, with_histogram, self._index_cache, plain.dtype)
             return measurement
+        return self._hand_over(
+            plain, measurement, with_histogram, owned=scale is not None, shared=shared
+        )
+
+    def _hand_over(
+        self,
+        plain: torch.Tensor,
+        measurement: Measurement,
+        with_histogram: bool,
+        *,
+        owned: bool,
+        shared: bool,
+    ) -> Measurement:
+        """Queue ``plain``'s job on a worker; ``measurement`` is filled in when it has run.
+
+        A small sample's tensors go to the kernels' queue, a larger one's to the Python worker
+        (``SMALL_SAMPLE_ENTRIES``). ``owned``: nobody else holds ``plain`` (the division by a
+        scale made it); ``shared``: see ``measure``. A copy that fails (out of memory) gives a
+        measurement with its reason instead of a job.
+        """
         nbytes = plain.numel() * working_dtype(plain.dtype).itemsize
-        # the division made a tensor of its own: nobody else can change it
-        owned = scale is not None
-        # a small sample's tensors go to the kernels' queue, a larger one's to the Python worker
         native = self._native if self._small else None
-        worker = native or self._worker
         try:
             if native is not None:
                 measurement.ticket = native.submit(
@@ -248,7 +264,7 @@ class Measurer:
                 )
         except Exception as error:  # the copy failed (out of memory): no job, a reason
             return Measurement(reducer_error_reason(error), self.metrics, errors=[error])
-        measurement.worker = worker
+        measurement.worker = native or self._worker
         if measurement.shared is not None:
             thread = threading.get_ident()
             self._shared.setdefault(thread, collections.deque()).append(measurement)
