@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from typing import Any
@@ -37,6 +38,7 @@ from torchinstruments_core._rows import RowPart, SampleRows
 from torchinstruments_core._signals import Signal
 from torchinstruments_core.run_directory import (
     RunDirectorySink,
+    _writer_launch,
     _writer_pipe,
     _writer_process,
     inspect_run,
@@ -58,6 +60,15 @@ def _ready(sink: RunDirectorySink) -> int:
     assert writer._usable
     assert sink.writer_pid is not None
     return sink.writer_pid
+
+
+def _train_and_remove(model: torch.nn.Module, observer: Any, steps: int, **train: Any) -> list[str]:
+    """Train ``steps`` more steps and remove the observer, each within a minute; its warnings."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _within(60, lambda: _train(model, steps, **train))
+        _within(60, observer.remove)
+    return [str(w.message) for w in caught if issubclass(w.category, ObservationWarning)]
 
 
 def test_a_record_crosses_the_pipe_with_its_rows_as_parts() -> None:
@@ -135,11 +146,7 @@ def test_a_killed_writer_process_never_blocks_training_and_every_unwritten_sampl
         assert time.monotonic() < deadline, "the first five samples were never written"
         time.sleep(0.02)
     os.kill(pid, signal.SIGKILL)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _within(60, lambda: _train(model, 35, pause=0.01))
-        _within(60, observer.remove)
-    messages = [str(w.message) for w in caught if issubclass(w.category, ObservationWarning)]
+    messages = _train_and_remove(model, observer, 35, pause=0.01)
     assert len(messages) == 2, messages
     assert "writer process" in messages[0]
     assert "killed by SIGKILL" in messages[0]
@@ -159,19 +166,66 @@ def test_a_killed_writer_process_never_blocks_training_and_every_unwritten_sampl
 
 
 def _record_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Count how the samples leave: written by the training thread, begun there, or queued."""
-    paths = {"direct": 0, "begun": 0, "queued": 0, "largest": 0}
+    """Count how the samples leave once the writer is ready: written, begun, or queued.
+
+    ``written``: all of the message by the training thread; ``begun``: what the pipe took, the
+    rest left to the sender; ``queued``: none of it. Samples put before the writer process is
+    ready are queued by design and not counted. The training thread's own writes to the pipe
+    tell the first two apart.
+    """
+    paths = {"written": 0, "begun": 0, "queued": 0, "largest": 0}
     write_now = _writer_process.ProcessWriter._write_now
+    write = os.write
+    direct = threading.local()
 
     def counted(self: _writer_process.ProcessWriter, payload: bytes) -> bool:
+        if not self._ready.is_set():
+            return write_now(self, payload)
         paths["largest"] = max(paths["largest"], len(payload))
-        written = write_now(self, payload)
-        begun = self._carry is not None
-        paths["begun" if written and begun else "direct" if written else "queued"] += 1
+        direct.active = True
+        try:
+            written = write_now(self, payload)
+        finally:
+            direct.active = False
+        paths["queued"] += not written
         return written
 
+    def watched(fd: int, data: Any) -> int:
+        count = write(fd, data)
+        if getattr(direct, "active", False):
+            paths["written" if count == len(data) else "begun"] += 1
+        return count
+
     monkeypatch.setattr(_writer_process.ProcessWriter, "_write_now", counted)
+    monkeypatch.setattr(os, "write", watched)  # the module's ``os.write`` is this one
     return paths
+
+
+def _one_page_pipe(sink: RunDirectorySink) -> int:
+    """The size of the pipe to the writer process; skips where it cannot be made one page."""
+    fcntl = pytest.importorskip("fcntl")
+    writer = sink._writer
+    assert isinstance(writer, _writer_process.ProcessWriter)
+    assert writer._to_writer is not None
+    if not hasattr(fcntl, "F_GETPIPE_SZ"):
+        pytest.skip("the pipe's size cannot be read here")
+    size = int(fcntl.fcntl(writer._to_writer, fcntl.F_GETPIPE_SZ))
+    if size > 4096:
+        pytest.skip(f"a pipe holds at least {size} bytes here (pages larger than 4 KiB)")
+    return size
+
+
+def _caught_up(sink: RunDirectorySink) -> None:
+    """Wait until the sender has written everything queued and lets go of the pipe."""
+    writer = sink._writer
+    assert isinstance(writer, _writer_process.ProcessWriter)
+    deadline = time.monotonic() + 30
+    while True:
+        with writer._pipe_lock, writer._count_lock:
+            if not writer._queued and writer._carry is None:
+                return
+        assert time.monotonic() < deadline, "the sender never caught up"
+        time.sleep(0.01)
 
 
 def test_the_training_thread_writes_samples_to_the_pipe_and_the_sender_keeps_their_order(
@@ -183,7 +237,7 @@ def test_the_training_thread_writes_samples_to_the_pipe_and_the_sender_keeps_the
     writes what fits and leaves the rest to the sender, and samples that come meanwhile are
     queued behind it. The run is the one a writer thread writes, sample for sample.
     """
-    monkeypatch.setattr(_writer_process, "_PIPE_BYTES", 4096)  # the least a pipe holds
+    monkeypatch.setattr(_writer_launch, "PIPE_BYTES", 4096)  # the least a pipe holds
     paths = _record_paths(monkeypatch)
     runs = {}
     for kind in ("process", "thread"):
@@ -201,16 +255,17 @@ def test_the_training_thread_writes_samples_to_the_pipe_and_the_sender_keeps_the
         _train(model, 1)  # opens the run
         if kind == "process":
             _ready(sink)  # from here on the training thread may write
+            pipe = _one_page_pipe(sink)
         for step in range(39):
             _train(model, 1)
-            if step % 8 == 7:  # let the writer catch up: the next message finds the pipe empty
-                time.sleep(0.2)
+            if kind == "process" and step % 8 == 7:  # the next message finds the pipe empty
+                _caught_up(sink)
         observer.remove()
         runs[kind] = tmp_path / kind
-    assert paths["largest"] > 4096  # every message larger than the pipe
+    assert paths["largest"] > pipe  # every message larger than the pipe
     assert paths["begun"] > 0  # written in part by the training thread, the rest by the sender
     assert paths["queued"] > 0  # behind a message the sender was finishing
-    assert paths["direct"] + paths["begun"] + paths["queued"] == 40
+    assert paths["written"] + paths["begun"] + paths["queued"] == 39
     for table in ("history.parquet", "samples.parquet"):
         drop = ["run_id", "timestamp", "collection_duration_ms"]
         frames = [pl.read_parquet(runs[k] / table).drop(drop, strict=False) for k in runs]
@@ -225,22 +280,26 @@ def test_a_full_pipe_never_makes_the_training_thread_wait_for_the_writer(
 ) -> None:
     """A writer process that stops reading (SIGSTOP) leaves the samples queued, not waited on.
 
-    The training thread writes only what the pipe takes at once; with the pipe full, samples
-    queue for the sender until the writer reads again, and then every one of them is written.
+    The training thread writes only what the pipe takes at once (the first sample after the
+    stop, in part); with the pipe full, samples queue for the sender until the writer reads
+    again, and then every one of them is written.
     """
-    monkeypatch.setattr(_writer_process, "_PIPE_BYTES", 4096)
+    monkeypatch.setattr(_writer_launch, "PIPE_BYTES", 4096)
     paths = _record_paths(monkeypatch)
     model = Net()
     sink = RunDirectorySink(tmp_path / "run", chunk_rows=1, flush_seconds=0.05, queue_size=64)
     observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
     _train(model, 1)  # opens the run
     pid = _ready(sink)
+    _one_page_pipe(sink)
+    _caught_up(sink)
     os.kill(pid, signal.SIGSTOP)
     try:
         _within(60, lambda: _train(model, 19))  # far more than a stopped pipe holds
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert paths["queued"] > 0
+    assert paths["begun"] + paths["written"] > 0  # the training thread wrote to the pipe
+    assert paths["queued"] > 0  # and queued what it could not write at once
     _within(60, observer.remove)
     result = _result(tmp_path / "run")
     assert result["status"] == "complete"
@@ -248,6 +307,101 @@ def test_a_full_pipe_never_makes_the_training_thread_wait_for_the_writer(
     history = pl.read_parquet(tmp_path / "run" / "history.parquet")
     assert history.height == 20 * ROWS_PER_SAMPLE
     assert history["sample_id"].unique().len() == 20
+
+
+def test_a_write_interrupted_by_ctrl_c_closes_the_pipe_and_counts_what_it_cost(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt as a sample's write returns: the stream is never read past it.
+
+    Part of the message may be in the pipe with the rest unrecorded, so nothing may follow it:
+    the pipe is closed, the writer process writes what it holds and exits, training goes on
+    unblocked, and the interrupted sample and every later one are counted as lost.
+    """
+    model = Net()
+    sink = RunDirectorySink(tmp_path / "run", chunk_rows=1, flush_seconds=0.05)
+    observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+    _train(model, 1)  # opens the run
+    _ready(sink)
+    _train(model, 3)
+    _caught_up(sink)
+    write, training = os.write, threading.get_ident()
+    interrupt = [True]
+
+    def cut(fd: int, data: Any) -> int:
+        if threading.get_ident() != training or not interrupt:
+            return write(fd, data)
+        interrupt.clear()
+        write(fd, bytes(data[: len(data) // 2]))
+        raise KeyboardInterrupt  # as Python raises it once the call returns
+
+    monkeypatch.setattr(os, "write", cut)
+    with pytest.raises(KeyboardInterrupt):
+        _train(model, 1)
+    assert not interrupt  # it was the training thread's own write
+    messages = _train_and_remove(model, observer, 3)
+    assert any("interrupted" in message for message in messages), messages
+    result = _result(tmp_path / "run")
+    assert result["status"] == "complete_with_losses"
+    assert result["samples"]["count"] == 4  # every sample before the interrupted one
+    assert result["lost"]["samples"] == 4
+    assert result["lost"]["rows"] == 4 * ROWS_PER_SAMPLE
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    assert history.height == 4 * ROWS_PER_SAMPLE
+
+
+_SIGTERM_IN_A_WRITE = """
+import os, signal, sys, torch
+from torch import nn
+from torchinstruments_core import AlwaysSampler, inject_observer
+from torchinstruments_core.run_directory import RunDirectorySink, _writer_process
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+sink = RunDirectorySink(sys.argv[1])
+inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+step = lambda: model(torch.randn(8, 4)).square().mean().backward()
+step()
+assert sink._writer._ready.wait(60) and sink._writer._usable
+frame = _writer_process.sample_message
+
+def interrupted(payload):  # in the middle of a sample's write, the pipe held
+    if _writer_process.threading.current_thread() is _writer_process.threading.main_thread():
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.getsignal(signal.SIGTERM)  # a call: Python runs the handler here, at the latest
+    return frame(payload)
+
+for _ in range(3):
+    step()
+with sink._writer._pipe_lock, sink._writer._count_lock:  # the sender has caught up
+    assert not sink._writer._queued
+_writer_process.sample_message = interrupted
+step()
+print("still running", flush=True)
+"""
+
+
+def test_a_sigterm_in_the_middle_of_a_sample_s_write_finalizes_the_run_once_it_is_written(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A SIGTERM while the training thread writes a sample to the pipe: no hang, nothing lost.
+
+    The handler's finalizing waits for the end of the hand-over (it would otherwise wait for
+    the pipe the interrupted write holds), then the process ends as SIGTERM ends it, and the
+    run holds every sample, the interrupted one included.
+    """
+    script = tmp_path / "train.py"
+    script.write_text(_SIGTERM_IN_A_WRITE)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert "still running" not in done.stdout  # ended by the SIGTERM, at the end of the write
+    result = _result(tmp_path / "run")
+    assert result["status"] == "complete"
+    assert result["samples"]["count"] == 5
 
 
 @pytest.mark.parametrize("failure", ["no interpreter", "exits at once", "fails to set up"])
@@ -261,11 +415,11 @@ def test_a_writer_process_that_cannot_start_hands_the_run_to_a_thread(
     if failure == "no interpreter":
         monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
     elif failure == "exits at once":
-        monkeypatch.setattr(_writer_process, "_BOOT", "import sys; sys.exit(3)")
+        monkeypatch.setattr(_writer_launch, "BOOT", "import sys; sys.exit(3)")
     else:  # the process starts, but opening the writer raises there
         broken = "import torchinstruments_core.run_directory._writer_child as w\nw._open = None\n"
         monkeypatch.setattr(
-            _writer_process, "_BOOT", _writer_process._BOOT.replace("serve(", broken + "serve(")
+            _writer_launch, "BOOT", _writer_launch.BOOT.replace("serve(", broken + "serve(")
         )
     model = Net()
     sink = RunDirectorySink(tmp_path / "run", chunk_rows=1, flush_seconds=0.05)
@@ -390,7 +544,7 @@ def test_a_writer_process_that_hangs_at_start_is_replaced_by_a_thread(
     A thread writes the run instead, and nothing is lost.
     """
     monkeypatch.setattr(_writer_process, "_READY_SECONDS", 1.0)
-    monkeypatch.setattr(_writer_process, "_BOOT", "import time; time.sleep(300)")
+    monkeypatch.setattr(_writer_launch, "BOOT", "import time; time.sleep(300)")
     model = Net()
     sink = RunDirectorySink(tmp_path / "run", chunk_rows=1, flush_seconds=0.05, queue_size=2)
     observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
@@ -419,11 +573,7 @@ def test_no_writer_at_all_never_blocks_training_and_counts_every_sample_lost(
     model = Net()
     sink = RunDirectorySink(tmp_path / "run", queue_size=2)
     observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _within(60, lambda: _train(model, 10))
-        _within(60, observer.remove)
-    messages = [str(w.message) for w in caught if issubclass(w.category, ObservationWarning)]
+    messages = _train_and_remove(model, observer, 10)
     assert any("can't start new thread" in message for message in messages), messages
     assert f"10 samples ({10 * ROWS_PER_SAMPLE} rows) were lost" in messages[-1]
     assert _result(tmp_path / "run")["lost"]["samples"] == 10

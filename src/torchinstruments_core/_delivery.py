@@ -13,6 +13,8 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from torchinstruments_core._process import handing_over
+
 if TYPE_CHECKING:
     import threading
 
@@ -63,7 +65,8 @@ class DeliveryQueue:
         # have taken the last sample off the queue and be writing it, under the lock.
         if not wait and not self._in_flight:
             return
-        with self._lock:
+        # a SIGTERM meanwhile finalizes once the lock is let go (``handing_over``)
+        with handing_over(), self._lock:
             if self._draining:
                 return  # a sink write re-entered the observer; the outer drain delivers
             self._draining = True

@@ -7,7 +7,9 @@
   multiprocessing's finalizers but never the ``atexit`` handlers, so both are needed.
 - SIGTERM (what SLURM and Kubernetes send before SIGKILL): the observers are removed, then the
   handler that was installed before ours runs (Lightning's, for instance); with none, the
-  default action ends the process as it would have without us.
+  default action ends the process as it would have without us. A SIGTERM that arrives while
+  the main thread hands a sample to its sink (``handing_over``) waits until the hand-over is
+  done: finalizing the sink from inside its own write would wait for locks that write holds.
 - ``fork``: a child process inherits the parent's observers, hooks, sample state and run
   directory, but not its writer thread. In the child every inherited observer turns inert (it
   samples nothing, writes nothing, finalizes nothing); only the process that created an observer
@@ -26,6 +28,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from types import FrameType
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,8 @@ _live: weakref.WeakSet[Ending] = weakref.WeakSet()
 _lock = threading.RLock()  # re-entered by a SIGTERM handler that interrupts register()
 _hooks_pid: int | None = None  # the process whose exit hooks are installed
 _previous_sigterm: Any = None
+_handing_over = 0  # hand-overs to a sink under way on the main thread (``handing_over``)
+_postponed: tuple[int, FrameType | None] | None = None  # a SIGTERM that came meanwhile
 
 
 def register(observer: Ending) -> None:
@@ -106,7 +111,35 @@ def _install_sigterm_handler() -> None:
     _previous_sigterm = current
 
 
+@contextlib.contextmanager
+def handing_over() -> Iterator[None]:
+    """Hold off this module's SIGTERM handler while the block hands samples to a sink.
+
+    Python runs a signal handler on the main thread between two of its bytecodes, so a SIGTERM
+    can interrupt a sink's ``write`` while it holds a lock (the run directory's writer holds
+    its pipe while it writes a sample). Finalizing the sink right there would wait for that
+    lock, or for a thread that waits for it, forever. On the main thread the handler's work is
+    postponed to the end of the outermost such block; other threads' blocks never hold it off.
+    """
+    global _handing_over
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _handing_over += 1
+    try:
+        yield
+    finally:
+        _handing_over -= 1
+        if _handing_over == 0 and _postponed is not None:
+            _on_sigterm(*_postponed)
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    global _postponed
+    if _handing_over:  # in the middle of a sink's write: finalize once it is done
+        _postponed = (signum, frame)
+        return
+    _postponed = None
     remove_all()
     previous = _previous_sigterm
     if callable(previous):

@@ -12,8 +12,7 @@ both). The writer process runs the same ``ChunkWriter``, ``TensorBoardHistograms
 ``RunAggregates`` the thread ran. At the end it sends back its report and the aggregates, and
 the sink finalizes the run as before, in the training process.
 
-The writer process imports no torch (nor the engine): ``python -c`` with the training process's
-``sys.path`` loads this package's folders without their ``__init__`` modules, which import torch.
+The writer process imports no torch (nor the engine; ``_writer_launch`` starts it).
 It runs at a niceness 10 above the training process's, so that where the cores are busy the
 OS runs the training thread and the reduction worker first. It ignores SIGINT and SIGTERM: a
 Ctrl-C or a scheduler's SIGTERM meant for the job lets the training process close the run,
@@ -32,6 +31,8 @@ Failures (nothing may hang, nothing may be lost silently):
   thread. The aggregates of result.json are rebuilt from the chunks on disk, as ``repair`` does.
 - The training process dies: the writer reads the end of its pipe, writes what it holds as a
   last chunk and exits, leaving the run to ``repair``.
+- A KeyboardInterrupt cuts a sample's write short (``_write_now``): the pipe is closed after
+  it, as if the training process had died, and the samples from that one on count as lost.
 """
 
 from __future__ import annotations
@@ -42,9 +43,7 @@ import logging
 import os
 import pickle
 import queue
-import signal
 import subprocess
-import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
@@ -57,6 +56,7 @@ from torchinstruments_core.run_directory._writer import (
     cause,
     enqueue,
 )
+from torchinstruments_core.run_directory._writer_launch import exit_status, launch
 from torchinstruments_core.run_directory._writer_pipe import (
     WriterSettings,
     encode,
@@ -81,25 +81,6 @@ _READY_SECONDS = 120.0
 """How long the process may take to start (import Polars and numpy) before the thread writes."""
 _EXIT_SECONDS = 30.0
 """How long a process that sent its report may take to exit before it is killed."""
-_PIPE_BYTES = 1 << 20  # a pipe this large takes a few samples before a write waits (Linux)
-_PACKAGES = (
-    "torchinstruments_core",
-    "torchinstruments_core.reducers",
-    "torchinstruments_core.run_directory",
-)
-"""Packages whose ``__init__`` imports torch (directly or through the sink): loaded as bare
-folders in the writer process."""
-
-_BOOT = """\
-import sys, json, types
-sys.path[:] = json.loads(sys.argv[1])
-for name, folder in json.loads(sys.argv[2]).items():
-    package = types.ModuleType(name)
-    package.__path__ = [folder]
-    sys.modules[name] = package
-from torchinstruments_core.run_directory._writer_child import serve
-serve(int(sys.argv[3]), int(sys.argv[4]))
-"""
 
 
 class ProcessWriter(PendingError):
@@ -172,38 +153,7 @@ class ProcessWriter(PendingError):
         self._sender.start()
 
     def _spawn(self) -> None:
-        if not sys.executable or getattr(sys, "frozen", False):
-            raise ValueError("no Python interpreter to start (sys.executable is not one)")
-        path = [os.path.abspath(entry) for entry in map(_text, sys.path) if entry is not None]
-        folders = {name: _folder(name) for name in _PACKAGES}
-        command = [
-            sys.executable,
-            "-c",
-            _BOOT,
-            _json(path),
-            _json({name: folder for name, folder in folders.items() if folder is not None}),
-        ]
-        down_read, down_write = os.pipe()
-        up_read, up_write = os.pipe()
-        with contextlib.suppress(AttributeError, OSError):  # Linux only; a bigger buffer
-            import fcntl
-
-            fcntl.fcntl(down_write, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-        command += [str(down_read), str(up_write)]
-        try:
-            self._process = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, pass_fds=(down_read, up_write)
-            )
-        except BaseException:
-            for fd in (down_read, down_write, up_read, up_write):
-                os.close(fd)
-            raise
-        finally:
-            if self._process is not None:
-                os.close(down_read)
-                os.close(up_write)
-        self._to_writer = down_write  # written unbuffered: a fork has no bytes of it to flush
-        self._from_writer = open(up_read, "rb")  # noqa: SIM115 (closed by the reader thread)
+        self._process, self._to_writer, self._from_writer = launch()
         _open_writers.add(self)
 
     # -- the training thread --------------------------------------------------------------------
@@ -230,7 +180,8 @@ class ProcessWriter(PendingError):
 
         The sender thread takes each queued sample with the GIL, which it must win from the
         training thread at the model's next operation: on an MNIST-sized MLP (2.3 ms steps) that
-        hand-over cost a sampled step about 0.04-0.1x (0.1-0.2 ms; ``benchmarks/RESULTS.md``).
+        hand-over cost a sampled step about 0.04-0.05x and the step after it up to 0.03x
+        (``benchmarks/RESULTS.md``).
         Here the message is written at once when nothing is queued or half written before it
         (so the messages keep their order) and no other thread writes: a write that would wait
         (the pipe full) is not made, and the sample is queued instead. What the pipe does not
@@ -241,36 +192,61 @@ class ProcessWriter(PendingError):
             Whether the message is on its way (all of it written, or the rest left to the
             sender); ``False``: nothing was written, queue the sample.
         """
-        pipe = self._to_writer
-        if pipe is None or not self._usable or self._dead or not self._ready.is_set():
+        if not self._usable or self._dead or not self._ready.is_set():
             return False
         if not self._pipe_lock.acquire(blocking=False):  # the sender is writing
             return False
         try:
+            pipe = self._to_writer  # closed only under the lock (``_close_pipe``)
+            if pipe is None:
+                return False
             with self._count_lock:
                 if self._queued or self._carry is not None:
                     return False
             data = sample_message(payload)
+            began = False  # whether bytes of this message may be in the pipe
             try:
                 os.set_blocking(pipe, False)
                 try:
+                    began = True
                     written = os.write(pipe, data)
+                except OSError:  # full (BlockingIOError), or the process died: nothing written
+                    began = False
+                    return False
                 finally:
                     os.set_blocking(pipe, True)
-            except OSError:  # full (BlockingIOError), or the process died: the sender says so
-                return False
-            if written < len(data):
-                self._carry = memoryview(data)[written:]
-                with self._count_lock:
-                    self._queued += 1
-                try:
-                    self._queue.put_nowait(_CARRY)
-                except queue.Full:  # the sender writes the rest before the next item it takes
+                if written < len(data):
+                    self._carry = memoryview(data)[written:]
                     with self._count_lock:
-                        self._queued -= 1
-            return True
+                        self._queued += 1
+                    try:
+                        self._queue.put_nowait(_CARRY)
+                    except queue.Full:  # the sender writes the rest before the next item it takes
+                        with self._count_lock:
+                            self._queued -= 1
+                began = False
+                return True
+            except BaseException:
+                # interrupted (a KeyboardInterrupt raised as the write returned) before the rest
+                # was left to the sender: the message may be cut short, and nothing written
+                # after it could be read. The process gets the end of its pipe instead.
+                if began:
+                    self._cut_short()
+                raise
         finally:
             self._pipe_lock.release()
+
+    def _cut_short(self) -> None:
+        """Close the pipe (lock held) after a message that may be cut short.
+
+        The writer process reads the end of its pipe, writes what it holds and exits; the
+        samples it had not written, and every later one, are counted as lost.
+        """
+        self._failure = self._failure or "a sample's write to it was interrupted"
+        pipe, self._to_writer = self._to_writer, None
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                os.close(pipe)
 
     def finish(self) -> WriterReport:
         """Write what is buffered, stop the process and report (also when it died)."""
@@ -356,6 +332,9 @@ class ProcessWriter(PendingError):
             while True:
                 item = self._queue.get()
                 with self._pipe_lock:
+                    pipe = self._to_writer  # ``_cut_short`` may have closed it
+                    if pipe is None:
+                        raise BrokenPipeError("the pipe to the writer process was closed")
                     carry, self._carry = self._carry, None
                     if carry is not None:  # the rest of a message begun by ``_write_now``
                         write_all(pipe, carry)
@@ -378,7 +357,8 @@ class ProcessWriter(PendingError):
             self._close_pipe()
 
     def _close_pipe(self) -> None:
-        pipe, self._to_writer = self._to_writer, None
+        with self._pipe_lock:  # never under a write of ``_write_now``'s
+            pipe, self._to_writer = self._to_writer, None
         if pipe is not None:
             with contextlib.suppress(OSError):
                 os.close(pipe)
@@ -424,9 +404,9 @@ class ProcessWriter(PendingError):
             with contextlib.suppress(OSError):
                 stream.close()
             if not self._ready.is_set():  # it never got ready: the thread writes instead
-                self._decide(usable=False, failure=_exit_status(self._process))
+                self._decide(usable=False, failure=exit_status(self._process))
             elif self._usable and self._done is None:
-                self._failure = self._failure or _exit_status(self._process)
+                self._failure = self._failure or exit_status(self._process)
                 self._mark_dead()
 
     def _take(self, message: tuple[Any, ...]) -> None:
@@ -499,35 +479,3 @@ def _merge(report: WriterReport, extra: Losses) -> None:
     report.losses.rows += extra.rows
     for reason in extra.reasons:
         report.losses.note(reason)
-
-
-def _folder(name: str) -> str | None:
-    module = sys.modules.get(name)
-    paths = getattr(module, "__path__", None)
-    return None if not paths else os.path.abspath(str(next(iter(paths))))
-
-
-def _text(entry: object) -> str | None:
-    """A ``sys.path`` entry as text (an ``os.PathLike`` too); ``None`` for anything else."""
-    if isinstance(entry, str | os.PathLike):
-        return os.fsdecode(entry)
-    return None
-
-
-def _json(value: object) -> str:
-    import json
-
-    return json.dumps(value)
-
-
-def _exit_status(process: subprocess.Popen[bytes] | None) -> str:
-    if process is None:
-        return "it did not start"
-    try:
-        code = process.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        return "its pipe closed"
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
