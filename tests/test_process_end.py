@@ -250,6 +250,76 @@ def test_sigterm_finalizes_the_run_then_does_what_it_did_before(
     assert history["sample_id"].unique().sort().to_list() == [0, 1, 2, 3, 4]
 
 
+FORK_DURING_A_HAND_OVER = """
+import os, signal, threading, time
+from torch import nn
+from torchinstruments_core import _process, inject_observer
+from torchinstruments_core.testing import RecordingSink
+inject_observer(nn.Linear(2, 2), sink=RecordingSink())  # installs the SIGTERM handler
+children = []
+
+def fork():  # a thread forks while the main thread hands a sample over
+    pid = os.fork()
+    if pid == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(20)  # a SIGTERM held off for a hand-over the child never finishes
+        os._exit(7)
+    children.append(pid)
+
+with _process.handing_over():
+    thread = threading.Thread(target=fork)
+    thread.start()
+    thread.join()
+    _, status = os.waitpid(children[0], 0)
+print("signal", os.WTERMSIG(status) if os.WIFSIGNALED(status) else None, flush=True)
+"""
+
+
+def test_a_child_forked_during_a_hand_over_on_another_thread_still_ends_on_sigterm() -> None:
+    """A SIGTERM is held off only for a hand-over its process will finish.
+
+    A child forked by another thread while the main thread hands a sample to its sink has none
+    of the frames that would end that hand-over: its SIGTERM ends it at once.
+    """
+    done = _run(FORK_DURING_A_HAND_OVER, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"signal {int(signal.SIGTERM)}" in done.stdout, done.stdout
+
+
+SIGTERM_WHILE_FINALIZING = """
+import os, signal, sys, torch
+from torch import nn
+from torchinstruments_core import AlwaysSampler, inject_observer
+from torchinstruments_core.run_directory import RunDirectorySink
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+observer = inject_observer(model, sampler=AlwaysSampler(), sink=RunDirectorySink(sys.argv[1]))
+for _ in range(3):
+    model(torch.randn(8, 4)).square().mean().backward()
+close = RunDirectorySink.close
+
+def interrupted(sink):  # the scheduler's SIGTERM as the run is being finalized
+    os.kill(os.getpid(), signal.SIGTERM)
+    signal.getsignal(signal.SIGTERM)  # a call: Python runs the handler here, at the latest
+    close(sink)
+
+RunDirectorySink.close = interrupted
+observer.remove()
+print("still running", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_sigterm_while_a_run_is_finalized_ends_the_process_once_it_is_finalized(
+    tmp_path: pathlib.Path,
+) -> None:
+    """SIGTERM during ``remove``: the run is finalized whole, then the process ends by SIGTERM."""
+    done = _run(SIGTERM_WHILE_FINALIZING, str(tmp_path / "run"), timeout=120)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert "still running" not in done.stdout
+    history = _complete_run(tmp_path / "run")
+    assert history["sample_id"].unique().sort().to_list() == [0, 1, 2]
+
+
 def test_concurrent_forwards_from_threads_are_separate_samples() -> None:
     """Two threads calling one observed model at once: each forward is its own complete sample.
 

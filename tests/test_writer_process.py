@@ -216,16 +216,29 @@ def _one_page_pipe(sink: RunDirectorySink) -> int:
 
 
 def _caught_up(sink: RunDirectorySink) -> None:
-    """Wait until the sender has written everything queued and lets go of the pipe."""
+    """Wait until the sender has written everything queued and the writer has read all of it."""
     writer = sink._writer
     assert isinstance(writer, _writer_process.ProcessWriter)
     deadline = time.monotonic() + 30
     while True:
         with writer._pipe_lock, writer._count_lock:
-            if not writer._queued and writer._carry is None:
+            if not writer._queued and writer._carry is None and not _unread(writer._to_writer):
                 return
-        assert time.monotonic() < deadline, "the sender never caught up"
+        assert time.monotonic() < deadline, "the sender or the writer never caught up"
         time.sleep(0.01)
+
+
+def _unread(pipe: int | None) -> int:
+    """Bytes in ``pipe`` that its reader has not read yet (0 where that cannot be asked)."""
+    if pipe is None or sys.platform != "linux":
+        return 0
+    import array
+    import fcntl
+    import termios
+
+    count = array.array("i", [0])
+    fcntl.ioctl(pipe, termios.FIONREAD, count)
+    return count[0]
 
 
 def test_the_training_thread_writes_samples_to_the_pipe_and_the_sender_keeps_their_order(
@@ -327,9 +340,12 @@ def test_a_write_interrupted_by_ctrl_c_closes_the_pipe_and_counts_what_it_cost(
     _caught_up(sink)
     write, training = os.write, threading.get_ident()
     interrupt = [True]
+    writer = sink._writer
+    assert isinstance(writer, _writer_process.ProcessWriter)
+    pipe = writer._to_writer
 
     def cut(fd: int, data: Any) -> int:
-        if threading.get_ident() != training or not interrupt:
+        if threading.get_ident() != training or fd != pipe or not interrupt:
             return write(fd, data)
         interrupt.clear()
         write(fd, bytes(data[: len(data) // 2]))
@@ -351,7 +367,7 @@ def test_a_write_interrupted_by_ctrl_c_closes_the_pipe_and_counts_what_it_cost(
 
 
 _SIGTERM_IN_A_WRITE = """
-import os, signal, sys, torch
+import os, signal, sys, time, torch
 from torch import nn
 from torchinstruments_core import AlwaysSampler, inject_observer
 from torchinstruments_core.run_directory import RunDirectorySink, _writer_process
@@ -371,8 +387,13 @@ def interrupted(payload):  # in the middle of a sample's write, the pipe held
 
 for _ in range(3):
     step()
-with sink._writer._pipe_lock, sink._writer._count_lock:  # the sender has caught up
-    assert not sink._writer._queued
+deadline = time.monotonic() + 60
+while True:  # until the sender has caught up: the next sample is written from here
+    with sink._writer._pipe_lock, sink._writer._count_lock:
+        if not sink._writer._queued and sink._writer._carry is None:
+            break
+    assert time.monotonic() < deadline, "the sender never caught up"
+    time.sleep(0.01)
 _writer_process.sample_message = interrupted
 step()
 print("still running", flush=True)

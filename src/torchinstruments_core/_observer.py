@@ -286,15 +286,17 @@ class Observer:
         self._samples.attachment.detach()
         _process.unregister(self)
         self._samples.cut_short()  # a forward cut short (an exception) keeps what it measured
-        try:
-            if self._gate.enabled:
-                try:
-                    self.flush()
-                finally:  # the sink is closed (its files finalized) even if delivery raised
-                    self._sink.close()
-        finally:
-            self._config.measurer.close()  # stops the reduction worker's thread
-            self._release_references()
+        # a SIGTERM meanwhile ends the process once the run is finalized
+        with _process.handing_over():
+            try:
+                if self._gate.enabled:
+                    try:
+                        self.flush()
+                    finally:  # the sink is closed (its files finalized) even if delivery raised
+                        self._sink.close()
+            finally:
+                self._config.measurer.close()  # stops the reduction worker's thread
+                self._release_references()
 
     def __enter__(self) -> Observer:
         return self

@@ -49,6 +49,7 @@ _lock = threading.RLock()  # re-entered by a SIGTERM handler that interrupts reg
 _hooks_pid: int | None = None  # the process whose exit hooks are installed
 _previous_sigterm: Any = None
 _handing_over = 0  # hand-overs to a sink under way on the main thread (``handing_over``)
+_handing_over_thread: int | None = None  # the thread that began them (the main one)
 _postponed: tuple[int, FrameType | None] | None = None  # a SIGTERM that came meanwhile
 
 
@@ -66,16 +67,20 @@ def unregister(observer: Ending) -> None:
 
 
 def remove_all() -> None:
-    """Remove every live observer of this process; each failure is logged, none stops the rest."""
+    """Remove every live observer of this process; each failure is logged, none stops the rest.
+
+    A SIGTERM meanwhile ends the process once they are all finalized (``handing_over``).
+    """
     if _hooks_pid != os.getpid():
         return  # inherited through fork: the observers belong to the parent
     with _lock:
         observers = list(_live)
-    for observer in observers:
-        try:
-            observer.remove()
-        except Exception:  # the process is ending: report and go on with the others
-            log.exception("torchinstruments: finalizing %r at process exit failed", observer)
+    with handing_over():
+        for observer in observers:
+            try:
+                observer.remove()
+            except Exception:  # the process is ending: report and go on with the others
+                log.exception("torchinstruments: finalizing %r at process exit failed", observer)
 
 
 def _install_hooks() -> None:
@@ -120,11 +125,15 @@ def handing_over() -> Iterator[None]:
     its pipe while it writes a sample). Finalizing the sink right there would wait for that
     lock, or for a thread that waits for it, forever. On the main thread the handler's work is
     postponed to the end of the outermost such block; other threads' blocks never hold it off.
+    Removing an observer is such a block too: a SIGTERM in the middle of finalizing a run ends
+    the process once the run is finalized, not before.
     """
-    global _handing_over
+    global _handing_over, _handing_over_thread
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    if _handing_over == 0:
+        _handing_over_thread = threading.get_ident()
     _handing_over += 1
     try:
         yield
@@ -152,8 +161,11 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _hooks_pid, _lock
+    global _hooks_pid, _lock, _handing_over, _postponed
     _lock = threading.RLock()  # another thread of the parent may have held it during fork
+    if threading.get_ident() != _handing_over_thread:
+        # the hand-overs under way belong to a thread the child does not have: none will end
+        _handing_over, _postponed = 0, None
     observers = list(_live)
     _live.clear()
     _hooks_pid = None  # the child installs its own exit hooks when it creates an observer

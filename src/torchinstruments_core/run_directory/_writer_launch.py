@@ -69,10 +69,18 @@ def launch() -> tuple[subprocess.Popen[bytes], int, BinaryIO]:
         for fd in (down_read, down_write, up_read, up_write):
             os.close(fd)
         raise
-    os.close(down_read)
-    os.close(up_write)
-    # written unbuffered: a fork has no bytes of it to flush; the stream is closed by the reader
-    return process, down_write, open(up_read, "rb")
+    try:
+        os.close(down_read)
+        os.close(up_write)
+        # written unbuffered: a fork has no bytes of it to flush; the reader thread closes it
+        return process, down_write, open(up_read, "rb")
+    except BaseException:  # nothing may be left running or open without an owner
+        process.kill()
+        process.wait()
+        for fd in (down_read, up_write, down_write, up_read):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise
 
 
 def _folder(name: str) -> str | None:

@@ -117,8 +117,9 @@ class ProcessWriter(PendingError):
         self._process: subprocess.Popen[bytes] | None = None
         self._to_writer: int | None = None
         self._from_writer: BinaryIO | None = None
-        # whoever writes to the pipe holds it; the sender also while the pipe is full
-        self._pipe_lock = threading.Lock()
+        # whoever writes to the pipe holds it; the sender also while the pipe is full. An RLock
+        # for its ``_is_owned``: ``_write_now`` must release it whatever interrupts it
+        self._pipe_lock = threading.RLock()
         self._count_lock = threading.Lock()  # never held while anything waits
         self._queued = 0  # items on the queue, or taken off it and not yet written
         self._carry: memoryview | None = None  # what the pipe did not take of a direct write
@@ -194,9 +195,9 @@ class ProcessWriter(PendingError):
         """
         if not self._usable or self._dead or not self._ready.is_set():
             return False
-        if not self._pipe_lock.acquire(blocking=False):  # the sender is writing
-            return False
         try:
+            if not self._pipe_lock.acquire(blocking=False):  # the sender is writing
+                return False
             pipe = self._to_writer  # closed only under the lock (``_close_pipe``)
             if pipe is None:
                 return False
@@ -206,8 +207,8 @@ class ProcessWriter(PendingError):
             data = sample_message(payload)
             began = False  # whether bytes of this message may be in the pipe
             try:
-                os.set_blocking(pipe, False)
                 try:
+                    os.set_blocking(pipe, False)
                     began = True
                     written = os.write(pipe, data)
                 except OSError:  # full (BlockingIOError), or the process died: nothing written
@@ -234,7 +235,9 @@ class ProcessWriter(PendingError):
                     self._cut_short()
                 raise
         finally:
-            self._pipe_lock.release()
+            # owned also when an interrupt came as ``acquire`` returned, before anything else
+            if self._pipe_lock._is_owned():  # type: ignore[attr-defined]
+                self._pipe_lock.release()
 
     def _cut_short(self) -> None:
         """Close the pipe (lock held) after a message that may be cut short.
@@ -245,8 +248,10 @@ class ProcessWriter(PendingError):
         self._failure = self._failure or "a sample's write to it was interrupted"
         pipe, self._to_writer = self._to_writer, None
         if pipe is not None:
-            with contextlib.suppress(OSError):
+            try:  # noqa: SIM105 (no call of suppress's between them for an interrupt to stop at)
                 os.close(pipe)
+            except OSError:
+                pass
 
     def finish(self) -> WriterReport:
         """Write what is buffered, stop the process and report (also when it died)."""
