@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from _overhead_workloads import WORKLOADS, build
+from _side_by_side import observed_steps, rotating_ratios
 
 if TYPE_CHECKING:
     from torchinstruments_core import Observer
@@ -64,42 +64,18 @@ def main() -> None:
             kind: inject_observer(copies[kind].model, sink=_sink(kind, Path(folder)))
             for kind in copies
         }
-        steps = dict.fromkeys(copies, 0)
-
-        def observed(kind: str) -> tuple[float, float]:
-            times = []
-            for sample in (True, False):
-                started = time.perf_counter()
-                observers[kind].begin_step(steps[kind], sample=sample)
-                copies[kind].step()
-                observers[kind].end_step()
-                times.append(time.perf_counter() - started)
-                steps[kind] += 1
-            return times[0], times[1]
-
-        def plain_step() -> tuple[float, float]:
-            started = time.perf_counter()
-            plain.step()
-            return time.perf_counter() - started, 0.0
-
-        runs = {"plain": plain_step} | {kind: lambda kind=kind: observed(kind) for kind in copies}
-        names = list(runs)
-        sampled: dict[str, list[float]] = {kind: [] for kind in copies}
-        after: dict[str, list[float]] = {kind: [] for kind in copies}
-        total = args.warmup + args.rounds
-        for number in range(total):
-            print(f"\r{args.workload}: round {number + 1}/{total}", end="", flush=True)
-            order = names[number % 3 :] + names[: number % 3]
-            times = {name: runs[name]() for name in order}
-            if number < args.warmup:
-                continue
-            base = times["plain"][0]
-            for kind in copies:
-                sampled[kind].append(times[kind][0] / base)
-                after[kind].append(times[kind][1] / base)
+        ratios = rotating_ratios(
+            plain,
+            {kind: observed_steps(observers[kind], copies[kind], (True, False)) for kind in copies},
+            rounds=args.rounds,
+            warmup=args.warmup,
+            label=args.workload,
+        )
+        sampled = {kind: [sequence[0] for sequence in ratios[kind]] for kind in copies}
+        after = {kind: [sequence[1] for sequence in ratios[kind]] for kind in copies}
         for observer in observers.values():
             observer.remove()
-    print(f"\n\n{WORKLOADS[args.workload].description}; {args.rounds} rounds\n")
+    print(f"\n{WORKLOADS[args.workload].description}; {args.rounds} rounds\n")
     print("| sink | sampled step | the step after it |")
     print("|---|---|---|")
     for kind in copies:

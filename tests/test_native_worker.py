@@ -4,8 +4,9 @@ The queue's thread runs ``profile`` without the GIL; ``NativeWorker`` keeps the 
 jobs alive, bounds their bytes, keeps spares and reads the values back in order; ``Measurer``
 sends a small sample's tensors there. Checked: the queue's values are ``profile``'s bit for bit
 (its own subsample draws included), jobs run in order and a closed queue runs them in the
-caller, a child made by ``fork`` never touches the parent's queue, the worker's byte budget and
-spares, and a measurement by the queue equals one in the hooks, odd tensors included.
+caller, the thread lingers for a next job before it sleeps (a job then needs no wake), a child
+made by ``fork`` never touches the parent's queue, the worker's byte budget and spares, and a
+measurement by the queue equals one in the hooks, odd tensors included.
 """
 
 from __future__ import annotations
@@ -104,6 +105,47 @@ def test_jobs_run_in_the_order_submitted_and_a_closed_queue_runs_them_in_the_cal
     _native.queue_wait(queue, 10**9)  # a ticket past the last waits for the last only
 
 
+def _runs_within(queue: object, ticket: int | None, seconds: float = 10.0) -> bool:
+    """Whether job ``ticket`` runs within ``seconds`` (a lost wake would leave it queued)."""
+    assert ticket is not None
+    deadline = time.monotonic() + seconds
+    while _native.queue_finished(queue) < ticket:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_a_lingering_thread_takes_the_next_job_without_being_woken() -> None:
+    """After a job the thread looks for the next one for ``linger_ns``: no submit wakes it.
+
+    Closing the queue while its thread lingers stops it at once, not at the linger's end.
+    """
+    queue = _native.new_queue(60 * 10**9)  # a minute: it lingers through the whole test
+    values = torch.randn(1000)
+    assert _runs_within(queue, _queued(queue, values, None, 0).ticket)  # starts the thread
+    for _ in range(5):
+        time.sleep(0.005)  # a hundred times the thread's naps: it has finished and lingers
+        assert _runs_within(queue, _queued(queue, values, None, 0).ticket)
+    assert _native.queue_wakes(queue) == 0
+    started = time.monotonic()
+    _native.queue_close(queue)
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("linger_ns", [0, None])
+def test_a_thread_that_no_longer_lingers_is_woken_by_the_next_job(linger_ns: int | None) -> None:
+    """Without a linger, or past it (0.5 ms by default), each job wakes the sleeping thread."""
+    queue = _native.new_queue(linger_ns)
+    values = torch.randn(1000)
+    assert _runs_within(queue, _queued(queue, values, None, 0).ticket)  # starts the thread
+    for wakes in range(1, 6):
+        time.sleep(0.05)  # past the default linger: the thread sleeps on its condition
+        assert _runs_within(queue, _queued(queue, values, None, 0).ticket)
+        assert _native.queue_wakes(queue) == wakes
+    _native.queue_close(queue)
+
+
 def test_the_queue_checks_what_it_is_handed() -> None:
     """Not a queue, a plan that does not fit, a seed with an index: errors, nothing queued."""
     assert _native.KERNELS is not None
@@ -117,6 +159,8 @@ def test_the_queue_checks_what_it_is_handed() -> None:
     arguments = (values.data_ptr(), 10, 0, 0, 10, call.plan.ranks, call.plan.table, 7)
     with pytest.raises(ValueError, match="PyCapsule"):
         kernels.queue_finished(object())
+    with pytest.raises(TypeError, match="at most 1 argument"):
+        kernels.queue_new(0, 0)
     with pytest.raises(ValueError, match="numbers"):  # no room for the status
         kernels.queue_submit(queue, None, *arguments, numbers[1:], out)
     with pytest.raises(ValueError, match="a seed and an index"):

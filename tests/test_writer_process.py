@@ -88,7 +88,7 @@ def test_a_record_crosses_the_pipe_with_its_rows_as_parts() -> None:
 def test_the_writer_is_a_process_without_torch_and_writes_the_same_run(
     tmp_path: pathlib.Path,
 ) -> None:
-    """The default sink's writer is another process, niced, without torch; the run is complete.
+    """The default sink's writer: another process, niced, batch, without torch; a complete run.
 
     Its history, samples, aggregates and TensorBoard file are those a writer thread writes.
     """
@@ -105,6 +105,8 @@ def test_the_writer_is_a_process_without_torch_and_writes_the_same_run(
             assert pid != os.getpid()
             niceness = os.getpriority(os.PRIO_PROCESS, 0)
             assert os.getpriority(os.PRIO_PROCESS, pid) == min(niceness + 10, 19)
+            if hasattr(os, "SCHED_BATCH"):  # Linux: a batch process, never preempting on wake
+                assert os.sched_getscheduler(pid) == os.SCHED_BATCH
             maps = pathlib.Path(f"/proc/{pid}/maps")
             if maps.exists():
                 assert "libtorch" not in maps.read_text()

@@ -14,9 +14,10 @@ the sink finalizes the run as before, in the training process.
 
 The writer process imports no torch (nor the engine; ``_writer_launch`` starts it).
 It runs at a niceness 10 above the training process's, so that where the cores are busy the
-OS runs the training thread and the reduction worker first. It ignores SIGINT and SIGTERM: a
-Ctrl-C or a scheduler's SIGTERM meant for the job lets the training process close the run,
-and the writer exits when its pipe closes.
+OS runs the training thread and the reduction worker first, and on Linux as a ``SCHED_BATCH``
+process, which the sample that wakes it never has preempt the training thread. It ignores
+SIGINT and SIGTERM: a Ctrl-C or a scheduler's SIGTERM meant for the job lets the training
+process close the run, and the writer exits when its pipe closes.
 
 The messages and their framing are in ``_writer_pipe``, the writer process's side in
 ``_writer_child``.
