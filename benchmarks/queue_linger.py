@@ -51,8 +51,8 @@ def _thread_cpu_per_job(jobs: int = 100) -> float | None:
     values = torch.randn(1000)
 
     def run_one() -> None:
-        ticket = _native.submit_profile(queue, values, None, 0, None, 0).ticket
-        _native.queue_wait(queue, ticket or 0)
+        queued = _native.submit_profile(queue, values, None, 0, None, 0)  # its buffers, held
+        _native.queue_wait(queue, queued.ticket or 0)
 
     run_one()  # starts the thread
     (thread,) = set(os.listdir("/proc/self/task")) - before - {str(threading.get_native_id())}

@@ -29,7 +29,7 @@ from helpers import floats
 from torchinstruments_core import AlwaysSampler, inject_observer
 from torchinstruments_core import _native_worker as _native_worker_module
 from torchinstruments_core._measure import Measurer
-from torchinstruments_core._native_worker import NativeWorker, ProfileJob
+from torchinstruments_core._native_worker import LINGER_MAX_NS, NativeWorker, ProfileJob
 from torchinstruments_core.reducers import HistogramReducer, _native, default_reducers
 from torchinstruments_core.reducers._fused import _call
 from torchinstruments_core.testing import RecordingSink
@@ -123,27 +123,86 @@ def test_a_lingering_thread_takes_the_next_job_without_being_woken() -> None:
     """
     queue = _native.new_queue(60 * 10**9)  # a minute: it lingers through the whole test
     values = torch.randn(1000)
-    assert _runs_within(queue, _queued(queue, values, None, 0).ticket)  # starts the thread
+    queued = _queued(queue, values, None, 0)  # held until it has run: the job writes into it
+    assert _runs_within(queue, queued.ticket)  # starts the thread
     for _ in range(5):
         time.sleep(0.005)  # a hundred times the thread's naps: it has finished and lingers
-        assert _runs_within(queue, _queued(queue, values, None, 0).ticket)
+        queued = _queued(queue, values, None, 0)
+        assert _runs_within(queue, queued.ticket)
     assert _native.queue_wakes(queue) == 0
     started = time.monotonic()
     _native.queue_close(queue)
     assert time.monotonic() - started < 5
 
 
-@pytest.mark.parametrize("linger_ns", [0, None])
-def test_a_thread_that_no_longer_lingers_is_woken_by_the_next_job(linger_ns: int | None) -> None:
-    """Without a linger, or past it (0.5 ms by default), each job wakes the sleeping thread."""
-    queue = _native.new_queue(linger_ns)
+def _until_asleep(queue: object, seconds: float = 10.0) -> None:
+    """Waits until a job wakes ``queue``'s thread, which is then asleep (past its linger).
+
+    A thread starved of its processor may still linger at the first try: the job it took
+    without a wake is run, and the next one tried after a longer pause.
+    """
+    deadline = time.monotonic() + seconds
+    before = _native.queue_wakes(queue)
+    pause = 0.05  # a hundred times the default linger
     values = torch.randn(1000)
-    assert _runs_within(queue, _queued(queue, values, None, 0).ticket)  # starts the thread
-    for wakes in range(1, 6):
-        time.sleep(0.05)  # past the default linger: the thread sleeps on its condition
-        assert _runs_within(queue, _queued(queue, values, None, 0).ticket)
-        assert _native.queue_wakes(queue) == wakes
+    while _native.queue_wakes(queue) == before:
+        assert time.monotonic() < deadline, "the thread was never found asleep"
+        time.sleep(pause)
+        pause *= 2
+        queued = _queued(queue, values, None, 0)  # held until it has run: the job writes into it
+        assert _runs_within(queue, queued.ticket)
+    assert _native.queue_wakes(queue) == before + 1  # the one job woke it, once
+
+
+def test_a_thread_that_no_longer_lingers_is_woken_by_the_next_job() -> None:
+    """Past its linger (0.5 ms by default) the thread sleeps, and the next job wakes it once."""
+    queue = _native.new_queue()
+    queued = _queued(queue, torch.randn(1000), None, 0)
+    assert _runs_within(queue, queued.ticket)  # starts the thread
+    for _ in range(3):
+        _until_asleep(queue)
     _native.queue_close(queue)
+
+
+def test_a_thread_that_never_lingers_is_woken_by_every_job() -> None:
+    """Without a linger (``linger_ns=0``) every job that finds the thread asleep wakes it.
+
+    It sleeps as soon as it has nothing: each job after a pause wakes it exactly once, and jobs
+    queued while the woken thread runs the first of them wake nothing more.
+    """
+    queue = _native.new_queue(0)
+    values = torch.randn(1000)
+    queued = _queued(queue, values, None, 0)
+    assert _runs_within(queue, queued.ticket)  # starts the thread
+    for wakes in range(1, 4):
+        time.sleep(0.05)  # the thread has run the job and sleeps on its condition
+        queued = _queued(queue, values, None, 0)
+        assert _runs_within(queue, queued.ticket)
+        assert _native.queue_wakes(queue) == wakes
+    time.sleep(0.05)
+    big = torch.randn(4_000_000, dtype=torch.float64)  # runs for milliseconds
+    burst = [_queued(queue, big, None, 37), _queued(queue, values, None, 0)]
+    burst.append(_queued(queue, values, None, 0))
+    busy = _native.queue_finished(queue) < (burst[0].ticket or 0)
+    assert _runs_within(queue, burst[-1].ticket)
+    if busy:  # the thread was never asleep after the first of them: one wake in all
+        assert _native.queue_wakes(queue) == 4
+    else:  # this thread was held up past the big job: each may have found it asleep
+        assert 4 <= _native.queue_wakes(queue) <= 6
+    _native.queue_close(queue)
+
+
+@pytest.mark.parametrize("linger_ns", [-1, 60 * 10**9 + 1])
+def test_a_linger_outside_zero_to_a_minute_is_refused(linger_ns: int) -> None:
+    """A negative linger, or one past a minute, raises before any queue is made.
+
+    The worker checks it in its constructor, not at its first job, which runs in a hook.
+    """
+    with pytest.raises(ValueError, match="linger_ns must be between 0 and"):
+        _native.new_queue(linger_ns)
+    with pytest.raises(ValueError, match="linger_ns must be between 0 and"):
+        NativeWorker(linger_ns=linger_ns)
+    assert _native.queue_wakes(_native.new_queue(LINGER_MAX_NS)) == 0  # the longest is taken
 
 
 def test_the_queue_checks_what_it_is_handed() -> None:
@@ -183,7 +242,8 @@ def _touch_in_child(queue: object, results: Any) -> None:
 def test_a_child_made_by_fork_never_touches_the_parent_s_queue() -> None:
     """The queue's lock may have been held by its thread at the fork: the child raises instead."""
     queue = _native.new_queue()
-    _native.queue_wait(queue, _queued(queue, torch.randn(100), None, 0).ticket or 0)
+    queued = _queued(queue, torch.randn(100), None, 0)  # held until it has run
+    _native.queue_wait(queue, queued.ticket or 0)
     context = multiprocessing.get_context("fork")
     results = context.Queue()
     child = context.Process(target=_touch_in_child, args=(queue, results))

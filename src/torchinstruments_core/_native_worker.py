@@ -92,6 +92,10 @@ class ProfileJob:
         self._values = None  # type: ignore[assignment]
 
 
+LINGER_MAX_NS = 60 * 10**9
+"""The longest linger the kernels' queue takes (``_kernels.c``'s ``QUEUE_LINGER_MAX_NS``)."""
+
+
 class NativeWorker:
     """Hands ``ProfileJob``s to one queue of the kernels, holding at most a budget of bytes.
 
@@ -102,10 +106,16 @@ class NativeWorker:
     Args:
         floor: The least budget, in bytes (``None``: ``BUDGET_FLOOR``).
         linger_ns: How long the queue's thread looks for a next job before it sleeps
-            (``_native.new_queue``; ``None``: the kernels' default, 0.5 ms).
+            (``_native.new_queue``; ``None``: the kernels' default, 0.5 ms; at most a minute).
+
+    Raises:
+        ValueError: ``linger_ns`` is negative or over a minute (checked here, not at the first
+            job, which runs in a hook).
     """
 
     def __init__(self, floor: int | None = None, *, linger_ns: int | None = None) -> None:
+        if linger_ns is not None and not 0 <= linger_ns <= LINGER_MAX_NS:
+            raise ValueError(f"linger_ns must be between 0 and {LINGER_MAX_NS}, not {linger_ns}")
         self._lock = threading.RLock()
         self._queue: object | None = None  # made at the first job
         self._pending: collections.deque[tuple[int, int, ProfileJob]] = collections.deque()

@@ -952,7 +952,9 @@ static PyObject* draw(PyObject* module, PyObject* const* args, Py_ssize_t nargs)
  * (QUEUE_LINGER_NS by default) it looks for the next job every QUEUE_POLL_NS, asleep in between
  * (a timed sleep, no spinning: about 120 us of its processor's time for a whole linger on a
  * virtual machine), and only then waits on the condition. A job submitted while it lingers wakes
- * nothing; the first job of a sample, and any after a pause, still signal. */
+ * nothing, and waits for the thread's nap to end (up to QUEUE_POLL_NS and the timer slack, about
+ * 100 us, while the model computes); the first job of a sample, and any after a pause, still
+ * signal, once each: the submit that wakes the thread marks it awake. */
 #ifndef _WIN32
 #include <pthread.h>
 #include <signal.h>
@@ -960,6 +962,7 @@ static PyObject* draw(PyObject* module, PyObject* const* args, Py_ssize_t nargs)
 #include <unistd.h>
 #define TI_QUEUE 1
 #define QUEUE_LINGER_NS 500000 /* 0.5 ms: several times the gap between a small sample's hooks */
+#define QUEUE_LINGER_MAX_NS 60000000000LL /* a minute: queue_new refuses more */
 #define QUEUE_POLL_NS 50000    /* 50 us asleep (and the system's timer slack, 50 us on Linux) */
 
 typedef struct Job {
@@ -1026,7 +1029,7 @@ static void run_and_count(Queue* q, Job* job) {
 }
 
 static int64_t monotonic_ns(void) {
-    struct timespec now;
+    struct timespec now = {0, 0};
     clock_gettime(CLOCK_MONOTONIC, &now);
     return (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
 }
@@ -1120,6 +1123,11 @@ static PyObject* queue_new(PyObject* module, PyObject* const* args, Py_ssize_t n
         return NULL;
     }
     if (nargs == 1 && as_int64(args[0], &linger_ns)) return NULL;
+    if (linger_ns < 0 || linger_ns > QUEUE_LINGER_MAX_NS) {
+        PyErr_Format(PyExc_ValueError, "linger_ns must be between 0 and %lld (a minute), not %lld",
+                     (long long)QUEUE_LINGER_MAX_NS, (long long)linger_ns);
+        return NULL;
+    }
     Queue* q = (Queue*)calloc(1, sizeof(Queue));
     if (q == NULL) return PyErr_NoMemory();
     /* initializers fail only for want of memory or of a system resource */
@@ -1209,6 +1217,7 @@ static PyObject* queue_submit(PyObject* module, PyObject* const* args, Py_ssize_
             q->tail->next = job;
         q->tail = job;
         if (q->sleeping) { /* a thread that lingers finds the job by itself */
+            q->sleeping = 0; /* one wake per sleep: a second job before it runs signals nothing */
             pthread_cond_signal(&q->work);
             q->wakes++;
         }

@@ -235,7 +235,11 @@ def new_queue(linger_ns: int | None = None) -> object:
     Args:
         linger_ns: How long the queue's thread looks for a next job (every 50 us, asleep in
             between) before it sleeps until a submit wakes it; ``None`` for the kernels'
-            default, 0.5 ms. A job submitted while it lingers costs no wake (``queue_wakes``).
+            default, 0.5 ms; at most a minute. A job submitted while it lingers costs no
+            wake (``queue_wakes``) and waits up to about 100 us for the thread's nap to end.
+
+    Raises:
+        ValueError: ``linger_ns`` is negative or over a minute.
     """
     if KERNELS is None or not QUEUE:
         raise RuntimeError("the compiled kernels have no reduction queue here (check QUEUE)")
