@@ -442,6 +442,38 @@ def test_the_edges_bisected_in_c_are_numpys(
     assert found == expected
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_edges_found_with_the_counts_are_the_searched_ones(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``profile`` writes a histogram's edges after its counts: the ones its grid's search gives.
+
+    Tensors at every scale (squares left to the host at the largest), constant ones and single
+    entries, with 1 to 1,000 bins; ``histograms_edges`` searches numpy's way without the kernels.
+    """
+    generator = torch.Generator().manual_seed(5)
+    tensors = [
+        torch.randn(3000, generator=generator, dtype=dtype) * 10.0**exponent
+        for exponent in (-30, -3, 0, 3, 30)
+    ]
+    tensors += [torch.full((50,), 3.0, dtype=dtype), torch.zeros(1, dtype=dtype)]
+    tensors += [torch.tensor([-0.0, 0.0, 1e-40], dtype=dtype), torch.arange(7, dtype=dtype)]
+    found: list[tuple[int, tuple[float, float, float], list[float]]] = []
+    for tensor in tensors:
+        for bins in (1, 2, 7, 64, 1000):
+            profiled = _native.profile(tensor, None, 0, None, bins)
+            assert profiled.status in (_native.STATUS_OK, _native.STATUS_MOMENTS_ON_HOST)
+            values = profiled.values.tolist()
+            lo, hi, scale = values[_native.MOMENTS : _native.MOMENTS + 3]
+            edges = values[_native.MOMENTS + bins + 4 :]
+            assert len(edges) == bins + 1
+            found.append((bins, (lo, hi, scale), edges))
+    monkeypatch.setattr(_native, "KERNELS", None)
+    float64 = dtype == torch.float64
+    for bins, grid, edges in found:
+        assert edges == _edges.histograms_edges([grid], bins, float64=float64)[0]
+
+
 def test_a_view_at_an_odd_byte_offset_is_left_to_numpy() -> None:
     """A float32 view whose address is not a multiple of 4 is not read by the kernels.
 
@@ -573,8 +605,9 @@ def test_the_kernels_refuse_sizes_out_of_range() -> None:
         kernels.draw(1, 0, 5, torch.empty(5, dtype=torch.int64).data_ptr())
     plan = quantile_plan(10, DEFAULT_QUANTILES)
     numbers = np.empty(5 + plan.ranks.size + 4)
-    short = np.empty(_native.MOMENTS + 3 + 7 + 3, dtype=np.float32)  # 7 bins pack into 11
-    with pytest.raises(ValueError, match="values holds 88 bytes, not 92"):
+    # 7 bins pack into 11 values, and their 8 edges follow: 31 float32 values, 124 bytes
+    short = np.empty(_native.MOMENTS + 3 + 11 + 8 - 1, dtype=np.float32)
+    with pytest.raises(ValueError, match="values holds 120 bytes, not 124"):
         kernels.profile(values.data_ptr(), 10, 0, 0, 10, plan.ranks, plan.table, 7, numbers, short)
     bad_plans = {
         "partial item": (plan.ranks.astype(np.int32)[:1], plan.table),
@@ -582,7 +615,7 @@ def test_the_kernels_refuse_sizes_out_of_range() -> None:
         "within the subsample": (plan.ranks + 10, plan.table),
         "not one of the ranks": (plan.ranks, plan.table + 10.0),
     }
-    enough = np.empty(_native.MOMENTS + 3 + 11, dtype=np.float32)
+    enough = np.empty(_native.MOMENTS + 3 + 11 + 8, dtype=np.float32)
     for problem, (ranks, table) in bad_plans.items():
         with pytest.raises(ValueError, match=problem):
             kernels.profile(values.data_ptr(), 10, 0, 0, 10, ranks, table, 7, numbers, enough)

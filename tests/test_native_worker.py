@@ -214,7 +214,7 @@ def test_the_queue_checks_what_it_is_handed() -> None:
     call = _call(10, 0, 7)
     assert call.plan is not None
     numbers = np.empty(5 + call.plan.ranks.size + 4 + 1)
-    out = np.empty(_native.MOMENTS + 3 + 11, dtype=np.float32)
+    out = np.empty(_native.MOMENTS + 3 + 11 + 8, dtype=np.float32)  # 7 bins: 11 packed, 8 edges
     arguments = (values.data_ptr(), 10, 0, 0, 10, call.plan.ranks, call.plan.table, 7)
     with pytest.raises(ValueError, match="PyCapsule"):
         kernels.queue_finished(object())

@@ -420,6 +420,7 @@ class Measurer:
             measurement.histogram = fused.histogram
             measurement.histogram_bins = self.histogram.bins
             measurement.histogram_float64 = fused.float64
+            measurement.histogram_edges = fused.edges
 
     def _native_job(
         self,

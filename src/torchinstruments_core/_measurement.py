@@ -61,6 +61,9 @@ class Measurement:
     """The packed histogram (``pack_histogram``): device tensor or host floats."""
     histogram_bins: int = 0
     histogram_float64: bool = False
+    histogram_edges: list[float] | None = None
+    """The histogram's edges where the compiled kernels found them with its counts; ``None``:
+    they are searched when the sample's record is built."""
     errors: list[BaseException] = field(default_factory=list)
     worker: ReductionWorker | NativeWorker | None = None
     """The worker filling this measurement in (job ``ticket``); ``None`` once settled."""
@@ -113,7 +116,7 @@ class Measurement:
         shared, self.shared = self.shared, None
         if shared is not None and version(shared[0]) != shared[1]:
             self.reason = UnavailableReason.MODIFIED_IN_PLACE
-            self.n_finite, self.histogram = None, None
+            self.n_finite, self.histogram, self.histogram_edges = None, None, None
             self.results.clear()
             self.errors.clear()  # a reducer that choked on entries changing under it did not fail
             if self.changed is not None:

@@ -366,10 +366,25 @@ def _part(site: Site, measurement: Measurement, landed: _Landed) -> RowPart:
 
 
 def _histograms(packed: list[tuple[Site, list[float], Measurement]]) -> list[HistogramRecord]:
-    """The records of the sample's histograms, their edges searched together."""
-    parts = split_histograms(
-        [(values, m.histogram_bins, m.histogram_float64) for _, values, m in packed]
+    """The records of the sample's histograms.
+
+    The edges the kernels found are taken as they are; the others are searched together.
+    """
+    searched = iter(
+        split_histograms(
+            [
+                (values, m.histogram_bins, m.histogram_float64)
+                for _, values, m in packed
+                if m.histogram_edges is None
+            ]
+        )
     )
+    parts = [
+        next(searched)
+        if m.histogram_edges is None
+        else (m.histogram_edges, values[3 : 3 + m.histogram_bins], values[3 + m.histogram_bins])
+        for _, values, m in packed
+    ]
     return [
         HistogramRecord(
             site.layer,

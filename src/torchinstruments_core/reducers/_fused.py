@@ -55,6 +55,9 @@ class Fused(NamedTuple):
     histogram: list[float] | None
     float64: bool
     """Whether the working dtype is float64 (the histogram's edges are searched in it)."""
+    edges: list[float] | None = None
+    """The histogram's ``bins + 1`` edges, as ``_edges.histograms_edges`` gives them, found by
+    the kernels; ``None`` without a histogram."""
 
 
 class _Call(NamedTuple):
@@ -172,4 +175,7 @@ class FusedReductions:
             moments = np.array(found, dtype=profiled.values.dtype).tolist()  # as ``host_values``
         quantiles = floats[first:last]
         results = [quantiles if place else moments for place in self._quantile_places]
-        return Fused(results, floats[last:] if call.bins else None, float64)
+        if not call.bins:
+            return Fused(results, None, float64)
+        edges_at = last + call.bins + 4  # the edges follow the packed histogram
+        return Fused(results, floats[last:edges_at], float64, floats[edges_at:])

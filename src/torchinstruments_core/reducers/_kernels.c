@@ -686,8 +686,28 @@ DEFINE_FINISH(finish_f64, double, DBL_MIN, DBL_EPSILON, DBL_MAX)
 
 enum { STATUS_NO_MEMORY = 8 };
 
+/* The edges of the packed histogram at ``packed`` (``bins + 4`` values of the working dtype:
+   lo, hi, scale, the counts, the non-finite count), written after it: ``bins + 1`` values of the
+   same dtype, each a float of it (``edges_*``), all NaN where the grid is not finite. ``found``
+   holds ``bins + 1`` doubles. */
+#define DEFINE_PACKED_EDGES(NAME, T, EDGES)                                                    \
+    static void NAME(T* packed, int64_t bins, double* found) {                                 \
+        T* out = packed + bins + 4;                                                            \
+        if (!isfinite(packed[0]) || !isfinite(packed[1])) {                                    \
+            for (int64_t i = 0; i <= bins; i++) out[i] = (T)NAN;                               \
+            return;                                                                            \
+        }                                                                                      \
+        EDGES(packed[0], packed[1], packed[2], (int32_t)bins, found);                          \
+        for (int64_t i = 0; i <= bins; i++) out[i] = (T)found[i];                              \
+    }
+
+DEFINE_PACKED_EDGES(packed_edges_f32, float, edges_f32)
+DEFINE_PACKED_EDGES(packed_edges_f64, double, edges_f64)
+
 /* What ``profile`` computes, without the GIL: ``reduce_into``, then ``finish_*`` when it wrote
-   everything. STATUS_NO_MEMORY where a table could not be allocated (nothing usable written). */
+   everything, then the histogram's edges (``packed_edges_*``), so that the thread that reads
+   the values back has none to search. STATUS_NO_MEMORY where a table could not be allocated
+   (nothing usable written). */
 static int profile_run(const void* data, int64_t n, int64_t dtype, const void* index, int64_t m,
                        const int64_t* ranks, int64_t count, const double* levels,
                        int64_t nlevels, int64_t bins, double* numbers, void* values) {
@@ -706,6 +726,14 @@ static int profile_run(const void* data, int64_t n, int64_t dtype, const void* i
                                                          counts, (float*)values)
                                             : finish_f64(numbers, n, count, levels, nlevels, bins,
                                                          counts, (double*)values);
+        if (!failed && bins > 0 && (status == STATUS_OK || status == STATUS_MOMENTS_ON_HOST)) {
+            /* the counts are packed: their buffer, bins + 1 eight-byte slots, holds the edges */
+            double* found = (double*)(void*)counts;
+            if (dtype == DTYPE_FLOAT32)
+                packed_edges_f32((float*)values + MOMENTS + nlevels, bins, found);
+            else
+                packed_edges_f64((double*)values + MOMENTS + nlevels, bins, found);
+        }
     }
     free(counts);
     free(lanes);
@@ -801,7 +829,7 @@ static int profile_args(PyObject* const* args, const char* name, int indexed, in
     if (a->m == 0) a->nlevels = 0;
     Py_ssize_t itemsize = a->dtype == DTYPE_FLOAT32 ? sizeof(float) : sizeof(double);
     Py_ssize_t needed =
-        (Py_ssize_t)(MOMENTS + a->nlevels + (a->bins > 0 ? a->bins + 4 : 0)) * itemsize;
+        (Py_ssize_t)(MOMENTS + a->nlevels + (a->bins > 0 ? 2 * a->bins + 5 : 0)) * itemsize;
     Py_ssize_t numbers = (Py_ssize_t)(5 + a->count + 4 + status_slot) * (Py_ssize_t)sizeof(double);
     if (get_buffer(args[8], &a->views[2], numbers, 1, "numbers")) {
         release_views(a, 2);
@@ -819,7 +847,8 @@ static int profile_args(PyObject* const* args, const char* name, int indexed, in
  * ``reduce``, then the values of the default profile (``finish_*``): ``ranks`` (int64) and
  * ``levels`` (float64, three per level) are buffers whose sizes give the counts; ``numbers``
  * (float64) receives what ``reduce`` puts in its ``out``, ``values`` (the working dtype) the nine
- * moments, the quantiles and, with ``bins``, the packed histogram. Status as ``reduce``'s, or
+ * moments, the quantiles and, with ``bins``, the packed histogram and its ``bins + 1`` edges
+ * (``packed_edges_*``). Status as ``reduce``'s, or
  * STATUS_MOMENTS_ON_HOST (the rest written); one call, with the GIL released once.
  */
 static PyObject* profile(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {

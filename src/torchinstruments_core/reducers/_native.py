@@ -157,7 +157,10 @@ class Profiled(NamedTuple):
     """The sums, extremes and zeros first (``summary``), then what ``reduce``'s ``out`` holds."""
     values: NDArray[np.floating]
     """In the working dtype: ``MOMENTS`` moments (unset with ``STATUS_MOMENTS_ON_HOST``), a
-    quantile a level, then the packed histogram (``_host_binning.pack_histogram``), if asked."""
+    quantile a level, then, if asked, the packed histogram (``_host_binning.pack_histogram``,
+    ``bins + 4`` values) and its ``bins + 1`` edges, the floats ``_edges.histograms_edges``
+    finds (all NaN without a finite entry): the kernels search them where they bin, off the
+    thread that reads the values back."""
 
     def summary(self) -> tuple[float, float, float, float, int]:
         """The total, the squares, the extremes and the zeros, as ``Reduced`` has them.
@@ -219,7 +222,7 @@ def _profile_buffers(
     ranks, table = (_NO_RANKS, _NO_TABLE) if plan is None or not size else (plan.ranks, plan.table)
     numbers = np.empty(_SUMMARY + ranks.size + _GRID + status, dtype=np.float64)
     out = np.empty(
-        MOMENTS + table.size // 3 + (bins + 4 if bins else 0), dtype=_NUMPY_DTYPES[dtype]
+        MOMENTS + table.size // 3 + (2 * bins + 5 if bins else 0), dtype=_NUMPY_DTYPES[dtype]
     )
     return ranks, table, numbers, out
 
