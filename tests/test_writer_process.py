@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import pathlib
+import queue
 import signal
 import subprocess
 import sys
@@ -299,6 +300,64 @@ def test_the_training_thread_writes_samples_to_the_pipe_and_the_sender_keeps_the
         assert frames[0].equals(frames[1])
     assert _result(runs["process"])["status"] == "complete"
     assert _result(runs["process"])["samples"]["count"] == 40
+
+
+def test_a_carried_rest_that_finds_the_queue_full_is_written_before_the_next_item(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rest of a direct write is written by the sender even where its marker was refused.
+
+    ``_write_now`` leaves what the pipe did not take to the sender and queues a marker that
+    wakes it; where the queue is full (another thread filled it meanwhile) the marker is
+    dropped, and the sender writes the rest before the next item it takes: the next sample, or
+    the finish. Here every marker is refused: no message is cut, and the run is whole.
+    """
+    monkeypatch.setattr(_writer_launch, "PIPE_BYTES", 4096)
+    paths = _record_paths(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(  # five layers: each sample's message passes a page
+        torch.nn.Linear(4, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 2),
+    )
+    sink = RunDirectorySink(tmp_path / "run", chunk_rows=50)
+    observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+    torch.manual_seed(1)
+    _train(model, 1)  # opens the run
+    _ready(sink)
+    _one_page_pipe(sink)
+    writer = sink._writer
+    assert isinstance(writer, _writer_process.ProcessWriter)
+    put_nowait = writer._queue.put_nowait
+    refused = []
+
+    def full_for_markers(item: object) -> None:
+        if item is _writer_process._CARRY:
+            refused.append(item)
+            raise queue.Full
+        put_nowait(item)
+
+    monkeypatch.setattr(writer._queue, "put_nowait", full_for_markers)
+    for step in range(20):
+        _train(model, 1)
+        if step % 5 == 4:  # the next message finds the pipe empty, and a rest left behind
+            deadline = time.monotonic() + 30
+            while _unread(writer._to_writer):
+                assert time.monotonic() < deadline, "the writer never read the pipe"
+                time.sleep(0.01)
+    # messages the training thread began, each one's marker refused; more than one: a refused
+    # marker is not left counted as queued, which would stop every later direct write
+    assert paths["begun"] > 1
+    assert len(refused) == paths["begun"]
+    observer.remove()
+    result = _result(tmp_path / "run")
+    assert result["status"] == "complete"
+    assert result["samples"]["count"] == 21
+    assert result["lost"]["samples"] == 0
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    assert history["sample_id"].unique().len() == 21
 
 
 def test_a_full_pipe_never_makes_the_training_thread_wait_for_the_writer(
