@@ -242,6 +242,17 @@ def _caught_up(sink: RunDirectorySink) -> None:
         time.sleep(0.01)
 
 
+def _five_layers() -> torch.nn.Module:
+    """A model whose every sample's message to the writer passes a page (a one-page pipe)."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 2),
+    )
+
+
 def _unread(pipe: int | None) -> int:
     """Bytes in ``pipe`` that its reader has not read yet (0 where that cannot be asked)."""
     if pipe is None or sys.platform != "linux":
@@ -269,13 +280,7 @@ def test_the_training_thread_writes_samples_to_the_pipe_and_the_sender_keeps_the
     runs = {}
     for kind in ("process", "thread"):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(  # five layers: each sample's message passes a page
-            torch.nn.Linear(4, 32),
-            torch.nn.ReLU(),
-            torch.nn.Linear(32, 32),
-            torch.nn.ReLU(),
-            torch.nn.Linear(32, 2),
-        )
+        model = _five_layers()
         sink = RunDirectorySink(tmp_path / kind, writer=kind, chunk_rows=50)
         observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
         torch.manual_seed(1)
@@ -315,13 +320,7 @@ def test_a_carried_rest_that_finds_the_queue_full_is_written_before_the_next_ite
     monkeypatch.setattr(_writer_launch, "PIPE_BYTES", 4096)
     paths = _record_paths(monkeypatch)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(  # five layers: each sample's message passes a page
-        torch.nn.Linear(4, 32),
-        torch.nn.ReLU(),
-        torch.nn.Linear(32, 32),
-        torch.nn.ReLU(),
-        torch.nn.Linear(32, 2),
-    )
+    model = _five_layers()
     sink = RunDirectorySink(tmp_path / "run", chunk_rows=50)
     observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
     torch.manual_seed(1)
@@ -340,16 +339,21 @@ def test_a_carried_rest_that_finds_the_queue_full_is_written_before_the_next_ite
         put_nowait(item)
 
     monkeypatch.setattr(writer._queue, "put_nowait", full_for_markers)
-    for step in range(20):
+    for _ in range(20):
         _train(model, 1)
-        if step % 5 == 4:  # the next message finds the pipe empty, and a rest left behind
-            deadline = time.monotonic() + 30
-            while _unread(writer._to_writer):
-                assert time.monotonic() < deadline, "the writer never read the pipe"
-                time.sleep(0.01)
-    # messages the training thread began, each one's marker refused; more than one: a refused
-    # marker is not left counted as queued, which would stop every later direct write
-    assert paths["begun"] > 1
+        # the sender idle and the pipe read: the next message is begun by the training thread,
+        # or, behind a rest left there, queued for the sender, which writes the rest first
+        deadline = time.monotonic() + 30
+        while True:
+            with writer._count_lock:
+                idle = not writer._queued and not _unread(writer._to_writer)
+            if idle:
+                break
+            assert time.monotonic() < deadline, "the sender or the writer never caught up"
+            time.sleep(0.01)
+    # every other message begun by the training thread, each one's marker refused: a refused
+    # marker left counted as queued would have stopped every direct write after the first
+    assert paths["begun"] >= 5
     assert len(refused) == paths["begun"]
     observer.remove()
     result = _result(tmp_path / "run")
