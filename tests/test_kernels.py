@@ -214,6 +214,27 @@ def test_the_environment_switch_leaves_the_kernels_unused() -> None:
         assert result.stdout.strip() == expected
 
 
+def test_kernels_built_from_other_sources_are_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module of another buffer layout (a failed rebuild leaves the old one): a warning, None.
+
+    The installed module is of this package's layout.
+    """
+    import types
+
+    from torchinstruments_core import reducers
+    from torchinstruments_core.reducers import _compiled
+
+    assert _native.KERNELS is not None
+    assert _native.KERNELS.LAYOUT == _compiled.LAYOUT
+    assert _compiled.load() is _native.KERNELS
+    stale = types.ModuleType("torchinstruments_core.reducers._kernels")  # no LAYOUT: layout 1
+    stale.__file__ = "/old/_kernels.abi3.so"
+    monkeypatch.setitem(sys.modules, stale.__name__, stale)
+    monkeypatch.setattr(reducers, "_kernels", stale, raising=False)
+    with pytest.warns(RuntimeWarning, match=r"/old/_kernels.abi3.so .*layout 1, .*needs 2"):
+        assert _compiled.load() is None
+
+
 class _Moments(MomentsReducer):
     """A subclass: it may compute something else, so it is not fused."""
 
@@ -359,6 +380,9 @@ def test_a_sample_of_host_floats_and_tensors_builds_the_rows_of_tensors_alone(
             plain.measure(tensors[1], with_histogram=True),
             first.measure(tensors[2], with_histogram=True),
         ]
+        # the kernels found the edges of what they reduced; the reducers' are searched
+        found = [m.histogram_edges is not None for m in measurements]
+        assert found == [fused, False, fused]
         _add_extra((("update_to_weight", torch.tensor(0.125)),), measurements[0])
         sample = Sample(1, 0, 0.0, None)
         for path, measurement in zip("abc", measurements, strict=True):
@@ -442,14 +466,16 @@ def test_the_edges_bisected_in_c_are_numpys(
     assert found == expected
 
 
+@pytest.mark.parametrize("quartiles", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_edges_found_with_the_counts_are_the_searched_ones(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, quartiles: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``profile`` writes a histogram's edges after its counts: the ones its grid's search gives.
 
     Tensors at every scale (squares left to the host at the largest), constant ones and single
-    entries, with 1 to 1,000 bins; ``histograms_edges`` searches numpy's way without the kernels.
+    entries, with 1 to 1,000 bins, with and without exact quartiles before the histogram;
+    ``histograms_edges`` searches numpy's way without the kernels.
     """
     generator = torch.Generator().manual_seed(5)
     tensors = [
@@ -461,11 +487,14 @@ def test_the_edges_found_with_the_counts_are_the_searched_ones(
     found: list[tuple[int, tuple[float, float, float], list[float]]] = []
     for tensor in tensors:
         for bins in (1, 2, 7, 64, 1000):
-            profiled = _native.profile(tensor, None, 0, None, bins)
+            size = tensor.numel() if quartiles else 0
+            plan = quantile_plan(size, DEFAULT_QUANTILES) if quartiles else None
+            profiled = _native.profile(tensor, None, size, plan, bins)
             assert profiled.status in (_native.STATUS_OK, _native.STATUS_MOMENTS_ON_HOST)
             values = profiled.values.tolist()
-            lo, hi, scale = values[_native.MOMENTS : _native.MOMENTS + 3]
-            edges = values[_native.MOMENTS + bins + 4 :]
+            at = _native.MOMENTS + (len(plan.levels) if plan is not None else 0)
+            lo, hi, scale = values[at : at + 3]
+            edges = values[at + bins + 4 :]
             assert len(edges) == bins + 1
             found.append((bins, (lo, hi, scale), edges))
     monkeypatch.setattr(_native, "KERNELS", None)

@@ -491,6 +491,7 @@ class Measurer:
             measurement.histogram = checked(packed, self.histogram.bins + 4)
             measurement.histogram_bins = self.histogram.bins
             measurement.histogram_float64 = prepared.values.dtype == torch.float64
+            measurement.histogram_edges = None  # searched when the record is built
         except Exception as error:
             measurement.errors.append(error)
 

@@ -8,6 +8,7 @@ process (``run_directory._writer_child``), which imports no torch.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -16,14 +17,32 @@ if TYPE_CHECKING:
 ENVIRONMENT_SWITCH = "TORCHINSTRUMENTS_NATIVE"
 """Set to ``0`` to reduce with numpy and torch although the compiled kernels are installed."""
 
+LAYOUT = 2
+"""The layout of the buffers this package hands the kernels (``_kernels.c``'s ``KERNELS_LAYOUT``;
+2: each histogram's edges follow it). A module of another layout is not used."""
+
 
 def load() -> ModuleType | None:
-    """The compiled module, or ``None`` when it is not built or ``ENVIRONMENT_SWITCH`` is ``0``."""
+    """The compiled module, or ``None`` when it is not built or ``ENVIRONMENT_SWITCH`` is ``0``.
+
+    A module built from other sources (a failed rebuild leaves the old one in place) is not
+    used either, with a warning: it would read and write buffers of another layout.
+    """
     if os.environ.get(ENVIRONMENT_SWITCH, "1").strip() == "0":
         return None
     try:
         import torchinstruments_core.reducers._kernels as kernels
     except ImportError:  # built without a C compiler: numpy and torch reduce instead
+        return None
+    layout = getattr(kernels, "LAYOUT", 1)
+    if layout != LAYOUT:
+        warnings.warn(
+            f"torchinstruments: the compiled kernels at {kernels.__file__} were built from other "
+            f"sources (layout {layout}, this package needs {LAYOUT}); numpy and torch reduce "
+            "instead, more slowly. Reinstall the package to rebuild them.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
     return kernels
 

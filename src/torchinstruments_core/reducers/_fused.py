@@ -178,4 +178,5 @@ class FusedReductions:
         if not call.bins:
             return Fused(results, None, float64)
         edges_at = last + call.bins + 4  # the edges follow the packed histogram
-        return Fused(results, floats[last:edges_at], float64, floats[edges_at:])
+        edges = floats[edges_at : edges_at + call.bins + 1]
+        return Fused(results, floats[last:edges_at], float64, edges)

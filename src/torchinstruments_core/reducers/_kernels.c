@@ -1371,7 +1371,17 @@ static struct PyModuleDef module_definition = {
     methods,
 };
 
+/* The layout of the buffers the calls read and write, checked by ``_compiled.load`` (its
+   ``LAYOUT``): a module built from older sources, which a failed rebuild leaves in place, would
+   pass the size checks and leave new fields unwritten. 2: the histogram's edges follow it. */
+#define KERNELS_LAYOUT 2
+
 PyMODINIT_FUNC PyInit__kernels(void) {
     crc_prepare();
-    return PyModule_Create(&module_definition);
+    PyObject* module = PyModule_Create(&module_definition);
+    if (module != NULL && PyModule_AddIntConstant(module, "LAYOUT", KERNELS_LAYOUT) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

@@ -1,5 +1,7 @@
 """Types of the compiled CPU reductions (``_kernels.c``); see ``_native.py`` for their use."""
 
+LAYOUT: int
+
 def reduce(
     data: int,
     numel: int,
