@@ -92,10 +92,6 @@ class ProfileJob:
         self._values = None  # type: ignore[assignment]
 
 
-LINGER_MAX_NS = 60 * 10**9
-"""The longest linger the kernels' queue takes (``_kernels.c``'s ``QUEUE_LINGER_MAX_NS``)."""
-
-
 class NativeWorker:
     """Hands ``ProfileJob``s to one queue of the kernels, holding at most a budget of bytes.
 
@@ -114,8 +110,9 @@ class NativeWorker:
     """
 
     def __init__(self, floor: int | None = None, *, linger_ns: int | None = None) -> None:
-        if linger_ns is not None and not 0 <= linger_ns <= LINGER_MAX_NS:
-            raise ValueError(f"linger_ns must be between 0 and {LINGER_MAX_NS}, not {linger_ns}")
+        limit = _native.LINGER_MAX_NS  # the kernels' own
+        if linger_ns is not None and not 0 <= linger_ns <= limit:
+            raise ValueError(f"linger_ns must be between 0 and {limit}, not {linger_ns}")
         self._lock = threading.RLock()
         self._queue: object | None = None  # made at the first job
         self._pending: collections.deque[tuple[int, int, ProfileJob]] = collections.deque()

@@ -1379,9 +1379,18 @@ static struct PyModuleDef module_definition = {
 PyMODINIT_FUNC PyInit__kernels(void) {
     crc_prepare();
     PyObject* module = PyModule_Create(&module_definition);
-    if (module != NULL && PyModule_AddIntConstant(module, "LAYOUT", KERNELS_LAYOUT) < 0) {
+    if (module == NULL) return NULL;
+    if (PyModule_AddIntConstant(module, "LAYOUT", KERNELS_LAYOUT) < 0) {
         Py_DECREF(module);
         return NULL;
     }
+#ifdef TI_QUEUE
+    PyObject* longest = PyLong_FromLongLong(QUEUE_LINGER_MAX_NS);
+    if (longest == NULL || PyModule_AddObject(module, "LINGER_MAX_NS", longest) < 0) {
+        Py_XDECREF(longest);
+        Py_DECREF(module);
+        return NULL;
+    }
+#endif
     return module;
 }

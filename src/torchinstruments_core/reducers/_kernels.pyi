@@ -1,6 +1,7 @@
 """Types of the compiled CPU reductions (``_kernels.c``); see ``_native.py`` for their use."""
 
 LAYOUT: int
+LINGER_MAX_NS: int  # with the queue only (not on Windows)
 
 def reduce(
     data: int,

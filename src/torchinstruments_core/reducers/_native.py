@@ -232,6 +232,10 @@ QUEUE = KERNELS is not None and hasattr(KERNELS, "queue_new")
 GIL: ``queue_submit``); a build for Windows has none."""
 
 
+LINGER_MAX_NS: int = int(KERNELS.LINGER_MAX_NS) if KERNELS is not None and QUEUE else 0
+"""The longest linger ``new_queue`` takes, in nanoseconds (a minute); 0 without a queue."""
+
+
 def new_queue(linger_ns: int | None = None) -> object:
     """An empty reduction queue of the kernels (its thread starts with the first job).
 
