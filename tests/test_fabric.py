@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 from dataclasses import fields
 from typing import Any
@@ -246,6 +247,34 @@ def test_two_processes(tmp_path: pathlib.Path, policy: str) -> None:
     }
     histograms = _events(log_dir).Histograms("telemetry/0/output/histogram")
     assert [event.step for event in histograms] == [0, 2]
+
+
+def _ddp_train_without_finish(fabric: Fabric) -> None:
+    """Each rank: four steps, the gloo group ended; no ``on_train_end``, no ``finish``."""
+    model = _model()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _train(fabric, model, optimizer, steps=4)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_that_end_their_group_without_finish_are_finalized(tmp_path: pathlib.Path) -> None:
+    """A spawned function that ends with ``destroy_process_group()`` alone leaves whole runs.
+
+    What the README advises for ``ddp_spawn`` on gloo: the runs are finalized on the way out
+    of each process, which needs no process group, so both ranks' folders are complete.
+    """
+    telemetry = FabricTelemetry(every_n_steps=2, rank_policy="all", output_dir=tmp_path / "run")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn", callbacks=[telemetry])
+    fabric.launch(_ddp_train_without_finish)
+    folders = sorted((tmp_path / "run").glob("rank-*"))
+    assert [folder.name for folder in folders] == ["rank-000", "rank-001"]
+    for rank, folder in enumerate(folders):
+        assert json.loads((folder / "result.json").read_text())["status"] == "complete"
+        assert not (folder / "history.parts").exists()
+        samples = _samples(folder)
+        assert samples["step"].to_list() == [0, 2]
+        assert samples["rank"].unique().to_list() == [rank]
 
 
 def test_a_non_finite_step_is_named_sampled_densely_and_stops_the_loop(
