@@ -198,7 +198,7 @@ def _ddp_train(fabric: Fabric) -> None:
     The rank ends its gloo process group itself, as a careful script does: Fabric leaves a gloo
     group (not an NCCL one) to interpreter exit, where gloo's worker thread may still be freeing
     the last all-reduce, needs the GIL of a finalizing interpreter and aborts the process
-    ("terminate called without an active exception"; torch 2.15, Python 3.11, 4 runs in 10
+    ("terminate called without an active exception"; torch 2.15, Python 3.11, 7 runs in 22
     without any telemetry attached).
     """
     model = _model()
