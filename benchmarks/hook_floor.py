@@ -22,6 +22,12 @@ there, as in ``paired.py``:
   draw of positions per tensor size, as the observer draws them) and a 64-bin histogram of
   every tensor (the observer bins only its focus layers' tensors, at most 8). What the
   reductions cost where no other core takes them.
+- ``copies + queue``: each copy handed, in its hook, to the kernels' reduction queue (one
+  ``submit_profile`` each, the same profile and histograms as ``copies + kernels``, positions
+  drawn on the queue's thread from a seed), and once the step is over every job waited for and
+  its values read back (one ``tolist`` each). The least that a design handing each tensor to
+  another core from Python pays: what the observer would cost if its per-tensor work were one
+  call in the hook and one at the close, before any rows or delivery.
 - ``observer``: a step the observer samples (default profile, run directory with its writer
   process): hooks, copies, the reductions on another core, the rows and their delivery.
 
@@ -33,7 +39,8 @@ back to the system (glibc returns the top of its heap once more than ``M_TRIM_TH
 there; ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296`` in the environment
 keep it, see the README). The difference between ``observer`` and ``hooks`` is what the observer's
 own Python costs a sampled step beyond the unavoidable; ``copies`` and ``copies + kernels`` say how
-much of it the copies and the reductions could take at best.
+much of it the copies and the reductions could take at best, and ``copies + queue`` what handing
+the reductions to another core leaves.
 """
 
 from __future__ import annotations
@@ -61,8 +68,10 @@ if TYPE_CHECKING:
     from _overhead_workloads import Workload
     from torch.utils.hooks import RemovableHandle
 
-CONFIGURATIONS = ("hooks", "copies", "copies + kernels", "observer")
+CONFIGURATIONS = ("hooks", "copies", "copies + kernels", "copies + queue", "observer")
 BINS = 64
+SEED = 7
+"""The seed of every subsample's positions (the observer's change with each sample)."""
 
 
 class FloorHooks:
@@ -71,15 +80,46 @@ class FloorHooks:
     def __init__(self, model: torch.nn.Module) -> None:
         self._leaves = [m for m in model.modules() if m is not model and not any(m.children())]
         self._copy = False
+        self._queue: object | None = None  # ``copies + queue``: the kernels' queue, while armed
+        self._made_queue: object | None = None
         self.held: list[torch.Tensor] = []
+        self.jobs: list[_native.Queued] = []
 
-    def arm(self, *, copy: bool) -> list[RemovableHandle]:
-        """Register the forward hooks for one step; the caller removes them."""
+    def arm(self, *, copy: bool, queue: bool = False) -> list[RemovableHandle]:
+        """Register the forward hooks for one step; the caller removes them.
+
+        ``queue``: hand each copy to the kernels' queue in its hook (``copies + queue``).
+        """
         self._copy = copy
+        if queue and self._made_queue is None:
+            self._made_queue = _native.new_queue()
+        self._queue = self._made_queue if queue else None
         return [leaf.register_forward_hook(self._on_output) for leaf in self._leaves]
 
     def _keep(self, tensor: torch.Tensor) -> None:
-        self.held.append(tensor.detach().clone() if self._copy else tensor.detach())
+        kept = tensor.detach().clone() if self._copy else tensor.detach()
+        self.held.append(kept)
+        if self._queue is not None:
+            values = kept.view(-1)
+            call = _call(values.numel(), DEFAULT_SAMPLE_SIZE, BINS)
+            seed = SEED if call.drawn else None
+            queued = _native.submit_profile(self._queue, values, seed, call.size, call.plan, BINS)
+            self.jobs.append(queued)
+
+    def collect(self) -> None:
+        """Wait for the queue's jobs and read each one's values back (``copies + queue``)."""
+        if self.jobs:
+            last = self.jobs[-1].ticket
+            if self._made_queue is not None and last is not None:
+                _native.queue_wait(self._made_queue, last)
+            for queued in self.jobs:
+                queued.profiled().numbers.tolist()
+        self.jobs.clear()
+
+    def close(self) -> None:
+        """Stop the queue's thread, if ``copies + queue`` started one."""
+        if self._made_queue is not None:
+            _native.queue_close(self._made_queue)
 
     def _on_output(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
         if not isinstance(output, torch.Tensor) or not output.is_floating_point():
@@ -103,7 +143,7 @@ class FloorHooks:
             if call.drawn:
                 index = positions.get(numel)
                 if index is None:
-                    index = positions[numel] = _native.draw_positions(7, numel, call.size)
+                    index = positions[numel] = _native.draw_positions(SEED, numel, call.size)
             _native.profile(values, index, call.size, call.plan, call.bins)
 
 
@@ -125,8 +165,9 @@ def measure(name: str, rounds: int) -> dict[str, list[tuple[float, int]]]:
             started = time.perf_counter()
             observer.begin_step(next(counter), sample=configuration == "observer")
             handles = []
-            if configuration in ("hooks", "copies", "copies + kernels"):
-                handles = floor.arm(copy=configuration != "hooks")
+            if configuration in ("hooks", "copies", "copies + kernels", "copies + queue"):
+                queue = configuration == "copies + queue"
+                handles = floor.arm(copy=configuration != "hooks", queue=queue)
             _run(workload, handles, floor, reduce=configuration == "copies + kernels")
             observer.end_step()
             elapsed = time.perf_counter() - started
@@ -144,6 +185,7 @@ def measure(name: str, rounds: int) -> dict[str, list[tuple[float, int]]]:
                 times[_next(configuration)].append(step("unsampled"))
             if index % 10 == 9:
                 print(f"{name}: round {index + 1}/{rounds}", end="\r", flush=True)
+    floor.close()
     return times
 
 
@@ -161,6 +203,7 @@ def _run(
     finally:
         for handle in handles:
             handle.remove()
+        floor.collect()  # the jobs hold their copies' addresses: they run before these go
         floor.held.clear()
 
 
