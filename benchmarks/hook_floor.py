@@ -100,7 +100,7 @@ class FloorHooks:
         kept = tensor.detach().clone() if self._copy else tensor.detach()
         self.held.append(kept)
         if self._queue is not None:
-            values = kept.view(-1)
+            values = kept.reshape(-1)  # a strided clone: a contiguous copy, which the job holds
             call = _call(values.numel(), DEFAULT_SAMPLE_SIZE, BINS)
             seed = SEED if call.drawn else None
             queued = _native.submit_profile(self._queue, values, seed, call.size, call.plan, BINS)
