@@ -46,6 +46,7 @@ the reductions to another core leaves.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import resource
 import statistics
 import tempfile
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
 CONFIGURATIONS = ("hooks", "copies", "copies + kernels", "copies + queue", "observer")
 BINS = 64
 SEED = 7
-"""The seed of every subsample's positions (the observer's change with each sample)."""
+"""The seed of every subsample's positions (the observer's seeds change with each sample)."""
 
 
 class FloorHooks:
@@ -80,8 +81,8 @@ class FloorHooks:
     def __init__(self, model: torch.nn.Module) -> None:
         self._leaves = [m for m in model.modules() if m is not model and not any(m.children())]
         self._copy = False
-        self._queue: object | None = None  # ``copies + queue``: the kernels' queue, while armed
-        self._made_queue: object | None = None
+        self._to_queue = False  # ``copies + queue``: each copy goes to ``_queue`` in its hook
+        self._queue: object | None = None  # made at the first such step
         self.held: list[torch.Tensor] = []
         self.jobs: list[_native.Queued] = []
 
@@ -91,15 +92,15 @@ class FloorHooks:
         ``queue``: hand each copy to the kernels' queue in its hook (``copies + queue``).
         """
         self._copy = copy
-        if queue and self._made_queue is None:
-            self._made_queue = _native.new_queue()
-        self._queue = self._made_queue if queue else None
+        self._to_queue = queue
+        if queue and self._queue is None:
+            self._queue = _native.new_queue()
         return [leaf.register_forward_hook(self._on_output) for leaf in self._leaves]
 
     def _keep(self, tensor: torch.Tensor) -> None:
         kept = tensor.detach().clone() if self._copy else tensor.detach()
         self.held.append(kept)
-        if self._queue is not None:
+        if self._to_queue:
             values = kept.reshape(-1)  # a strided clone: a contiguous copy, which the job holds
             call = _call(values.numel(), DEFAULT_SAMPLE_SIZE, BINS)
             seed = SEED if call.drawn else None
@@ -110,16 +111,16 @@ class FloorHooks:
         """Wait for the queue's jobs and read each one's values back (``copies + queue``)."""
         if self.jobs:
             last = self.jobs[-1].ticket
-            if self._made_queue is not None and last is not None:
-                _native.queue_wait(self._made_queue, last)
+            if self._queue is not None and last is not None:
+                _native.queue_wait(self._queue, last)
             for queued in self.jobs:
                 queued.profiled().numbers.tolist()
         self.jobs.clear()
 
     def close(self) -> None:
         """Stop the queue's thread, if ``copies + queue`` started one."""
-        if self._made_queue is not None:
-            _native.queue_close(self._made_queue)
+        if self._queue is not None:
+            _native.queue_close(self._queue)
 
     def _on_output(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
         if not isinstance(output, torch.Tensor) or not output.is_floating_point():
@@ -156,6 +157,7 @@ def measure(name: str, rounds: int) -> dict[str, list[tuple[float, int]]]:
         times[configuration], times[_next(configuration)] = [], []
     counter = iter(range(10**9))
     with (
+        contextlib.closing(floor),  # the queue's thread stops, whatever ends the run
         tempfile.TemporaryDirectory() as folder,
         inject_observer(workload.model, sink=RunDirectorySink(Path(folder) / "run")) as observer,
     ):
@@ -185,7 +187,6 @@ def measure(name: str, rounds: int) -> dict[str, list[tuple[float, int]]]:
                 times[_next(configuration)].append(step("unsampled"))
             if index % 10 == 9:
                 print(f"{name}: round {index + 1}/{rounds}", end="\r", flush=True)
-    floor.close()
     return times
 
 
