@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import pathlib
 from dataclasses import fields
@@ -275,6 +276,62 @@ def test_ranks_that_end_their_group_without_finish_are_finalized(tmp_path: pathl
         samples = _samples(folder)
         assert samples["step"].to_list() == [0, 2]
         assert samples["rank"].unique().to_list() == [rank]
+
+
+def test_the_spawn_launcher_hands_the_function_the_telemetry_itself() -> None:
+    """Fabric's CPU spawn launcher deep-copies dataclass arguments: ours comes back as it is.
+
+    ``fabric.launch(train, telemetry)`` runs ``train`` on what
+    ``_disable_module_memory_sharing`` returns (Lightning's own function, here called as the
+    launcher calls it); a copy would be a handle that no ``fabric.setup`` ever attaches.
+    """
+    from lightning.fabric.strategies.launchers.multiprocessing import (
+        _disable_module_memory_sharing,
+    )
+
+    telemetry = FabricTelemetry(every_n_steps=2)
+    (args, _kwargs) = _disable_module_memory_sharing(((_model(), telemetry), {}))
+    assert args[1] is telemetry
+    assert copy.deepcopy({"telemetry": telemetry})["telemetry"] is telemetry
+
+
+def _ddp_train_two_optimizers(fabric: Fabric, telemetry: FabricTelemetry) -> None:
+    """Each rank: the telemetry it is handed watches two optimizers, four steps, finish."""
+    model = _model()
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    model, first, second = fabric.setup(model, first, second)
+    telemetry.watch_optimizers(first, second)  # raised on a copy that nothing attached
+    assert (telemetry.observer is not None) == fabric.is_global_zero  # rank_policy="rank0"
+    for _ in range(4):
+        fabric.backward(model(torch.randn(4, 4)).square().mean())
+        telemetry.check_loss(torch.tensor(1.0))
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+    telemetry.finish()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_spawned_function_uses_the_telemetry_it_is_handed(tmp_path: pathlib.Path) -> None:
+    """``fabric.launch(train, telemetry)`` under ``ddp_spawn``: the argument is the callback.
+
+    ``watch_optimizers`` and ``finish`` called on the argument act on the attached telemetry:
+    the run has both optimizers' step records and is finalized.
+    """
+    telemetry = FabricTelemetry(every_n_steps=2, output_dir=tmp_path / "run")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn", callbacks=[telemetry])
+    fabric.launch(_ddp_train_two_optimizers, telemetry)
+    run = tmp_path / "run"
+    assert json.loads((run / "result.json").read_text())["status"] == "complete"
+    assert _samples(run)["step"].to_list() == [0, 2]
+    records = _samples(run, kind="step")
+    assert records["step"].to_list() == [0, 0, 2, 2]  # one record per optimizer step
+    history = pl.read_parquet(run / "history.parquet")
+    updates = history.filter(pl.col("signal") == "update", pl.col("layer") != "<model>")
+    assert updates["layer"].unique().sort().to_list() == ["0", "2"]  # both optimizers' layers
 
 
 def test_a_non_finite_step_is_named_sampled_densely_and_stops_the_loop(

@@ -76,7 +76,8 @@ class FabricTelemetry(TelemetryOptions):
 
     Resuming: save ``telemetry.state_dict()`` with the checkpoint and hand it to
     ``load_state_dict`` before the first step, before or after ``fabric.setup`` (not the
-    telemetry itself: ``fabric.save`` and ``fabric.load`` copy the dataclasses in their state).
+    telemetry itself: it is a handle on hooks and files, never copied; ``copy.deepcopy``
+    returns it as it is).
     The resumed run continues the saved sample ids and step count under a new ``run_id``, in a
     folder of its own, so ``(run_id, rank, sample_id)`` stays unique.
 
@@ -117,6 +118,18 @@ class FabricTelemetry(TelemetryOptions):
         self._run_directory: Path | None = None
         self._step = 0
         self._next_sample_id = 0
+
+    def __deepcopy__(self, memo: dict[int, object]) -> FabricTelemetry:
+        """The telemetry itself: a copy would be a second, unattached handle on the same run.
+
+        Fabric's ``ddp_spawn`` launcher on the CPU deep-copies the dataclasses among the
+        arguments of ``fabric.launch(train, telemetry)`` (to unshare the modules' memory), so
+        ``train`` would otherwise get a copy that no ``fabric.setup`` attaches, while the one
+        in ``Fabric(callbacks=[...])`` observes: ``watch_optimizers`` on the copy raised, and
+        ``check_loss``, ``should_stop``, ``state_dict`` and ``finish`` acted on nothing.
+        """
+        memo[id(self)] = self
+        return self
 
     @property
     def observer(self) -> Observer | None:
