@@ -1,7 +1,8 @@
 """Workloads beyond the four the targets name, for checking that the figures hold on models of
 other shapes: residual blocks with in-place ReLUs, a recurrent network, a Hugging Face model
-(random weights, no download), an MNIST-sized MLP, the smallest model people debug on, and
-LeNet-5, a small CNN.
+(random weights, no download), an MNIST-sized MLP, the smallest model people debug on,
+LeNet-5, a small CNN, and a MobileNet-style network of depthwise-separable blocks (many small
+modules, each BatchNorm followed by an in-place ReLU6).
 
 ``paired.py --workload extra`` measures them; ``--workload all`` keeps to the four of the
 targets. Each is built like those (``_overhead_workloads.build``: fixed seeds, AdamW).
@@ -32,6 +33,9 @@ DESCRIPTIONS = {
     "mnist-mlp": "MLP 784-256-128-10, ReLU, batch 64, AdamW (the smallest: a 1-5 ms step)",
     "lenet": "LeNet-5 (conv 6 and 16 ch 5x5, ReLU, max-pool, 120-84-10), 1x28x28, batch 64, "
     "AdamW (a small CNN: 12 module calls, 23 tensors a sample)",
+    "mobilenet": "MobileNet-v1-style CNN (a 32-ch stem, 9 depthwise-separable blocks to 512 ch, "
+    "BatchNorm and in-place ReLU6 after every convolution), 3x32x32, batch 32, AdamW "
+    "(60 module calls a sample)",
 }
 
 
@@ -98,6 +102,33 @@ def lenet() -> nn.Sequential:
         nn.Linear(120, 84),
         nn.ReLU(),
         nn.Linear(84, 10),
+    )
+
+
+def _separable(channels_in: int, channels_out: int, stride: int) -> nn.Sequential:
+    """MobileNet's block: a depthwise 3x3 convolution, then a pointwise 1x1 one."""
+    return nn.Sequential(
+        nn.Conv2d(channels_in, channels_in, 3, stride, 1, groups=channels_in, bias=False),
+        nn.BatchNorm2d(channels_in),
+        nn.ReLU6(inplace=True),
+        nn.Conv2d(channels_in, channels_out, 1, bias=False),
+        nn.BatchNorm2d(channels_out),
+        nn.ReLU6(inplace=True),
+    )
+
+
+def mobilenet(classes: int = 10) -> nn.Sequential:
+    """A MobileNet-v1-style network for 32x32 images (its first five blocks' widths, then 512)."""
+    widths = [(32, 64, 1), (64, 128, 2), (128, 128, 1), (128, 256, 2), (256, 256, 1)]
+    widths += [(256, 512, 2)] + [(512, 512, 1)] * 3
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, 1, 1, bias=False),
+        nn.BatchNorm2d(32),
+        nn.ReLU6(inplace=True),
+        *(_separable(*width) for width in widths),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(512, classes),
     )
 
 
@@ -173,4 +204,6 @@ def parts(
         return mlp((784, 256, 128, 10), nn.ReLU), features((64, 1, 28, 28), 10), _classification
     if name == "lenet":
         return lenet(), features((64, 1, 28, 28), 10), _classification
+    if name == "mobilenet":
+        return mobilenet(), features((32, 3, 32, 32), 10), _classification
     raise ValueError(f"unknown extra workload {name!r}; choose from {', '.join(DESCRIPTIONS)}")

@@ -13,7 +13,9 @@ there, as in ``paired.py``:
 - ``hooks``: a forward hook on every leaf module and a tensor hook on each output that requires
   grad; both only keep a reference to their tensor until the step ends. What registering and
   calling a hook per tensor costs, and nothing else.
-- ``copies``: the same hooks copying each output and gradient (``clone``): what a design pays
+- ``copies``: the same hooks copying each output and gradient, each into a buffer of its shape
+  kept from the steps before (as the observer keeps its copy buffers: copies into fresh memory
+  would fault its pages in, a cost of the allocator's, not of copying): what a design pays
   that reads every tensor after its hook returns (the model may change it in place), before it
   reads a single value. The observer copies less: gradients, and outputs a forward showed
   unchanged, are read in place.
@@ -85,6 +87,10 @@ class FloorHooks:
         self._queue: object | None = None  # made at the first such step
         self.held: list[torch.Tensor] = []
         self.jobs: list[_native.Queued] = []
+        # each step's copies go into the buffers of the steps before, as the observer's spares
+        # keep its copy buffers: fresh memory would make the copies fault its pages in
+        self._buffers: dict[tuple[torch.Size, torch.dtype], list[torch.Tensor]] = {}
+        self._taken: dict[tuple[torch.Size, torch.dtype], int] = {}
 
     def arm(self, *, copy: bool, queue: bool = False) -> list[RemovableHandle]:
         """Register the forward hooks for one step; the caller removes them.
@@ -98,14 +104,29 @@ class FloorHooks:
         return [leaf.register_forward_hook(self._on_output) for leaf in self._leaves]
 
     def _keep(self, tensor: torch.Tensor) -> None:
-        kept = tensor.detach().clone() if self._copy else tensor.detach()
+        kept = self._copied(tensor.detach()) if self._copy else tensor.detach()
         self.held.append(kept)
         if self._to_queue:
-            values = kept.reshape(-1)  # a strided clone: a contiguous copy, which the job holds
+            values = kept.reshape(-1)  # a contiguous copy: a view of its buffer
             call = _call(values.numel(), DEFAULT_SAMPLE_SIZE, BINS)
             seed = SEED if call.drawn else None
             queued = _native.submit_profile(self._queue, values, seed, call.size, call.plan, BINS)
             self.jobs.append(queued)
+
+    def _copied(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` copied into a contiguous buffer of its shape kept from earlier steps."""
+        key = (tensor.shape, tensor.dtype)
+        buffers = self._buffers.setdefault(key, [])
+        taken = self._taken.get(key, 0)
+        if taken == len(buffers):
+            buffers.append(torch.empty(tensor.shape, dtype=tensor.dtype))
+        self._taken[key] = taken + 1
+        return buffers[taken].copy_(tensor)
+
+    def release(self) -> None:
+        """The step is over: its copies' buffers serve the next step's copies."""
+        self.held.clear()
+        self._taken.clear()
 
     def collect(self) -> None:
         """Wait for the queue's jobs and read each one's values back (``copies + queue``)."""
@@ -205,7 +226,7 @@ def _run(
         for handle in handles:
             handle.remove()
         floor.collect()  # the jobs hold their copies' addresses: they run before these go
-        floor.held.clear()
+        floor.release()
 
 
 def report(

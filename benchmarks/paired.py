@@ -22,8 +22,8 @@ costs the training thread is pickling each sample and sharing the cores).
 ``--workload all`` (the default) measures every workload of the targets that runs on the device
 (on the CPU: MLP, CNN, the reference transformer and the small GPT), one after the other, and
 prints one table; ``--workload extra`` measures the models of other shapes
-(``_extra_workloads``: a CIFAR ResNet-20, an LSTM, a Hugging Face GPT-2 with random weights and
-an MNIST-sized MLP) the same way. With ``--compile`` both copies are ``torch.compile``d (inductor) and the observed one is
+(``_extra_workloads``: a CIFAR ResNet-20, an LSTM, a Hugging Face GPT-2 with random weights, an
+MNIST-sized MLP, LeNet-5 and a MobileNet-style CNN) the same way. With ``--compile`` both copies are ``torch.compile``d (inductor) and the observed one is
 observed as ``inject_observer(torch.compile(model))``. With ``--device cuda`` every step ends
 with ``torch.cuda.synchronize()``, so a step's time includes its kernels, and memory comes from
 the CUDA allocator's own peak statistic.
