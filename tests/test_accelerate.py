@@ -78,6 +78,23 @@ def test_tensorboard_and_scalar_trackers_get_the_sampled_steps(tmp_path: pathlib
     assert sorted(history["step"].unique()) == [0, 3, 6]
     assert set(history["layer"]) == {"net.0", "net.1", "net.2", MODEL_LAYER}
     assert hooks(model) == 0
+    # the TensorBoard tracker holds the tags: the run directory writes no second copy of them
+    assert not (tmp_path / "telemetry" / "tensorboard").exists()
+
+
+@pytest.mark.parametrize("routed", [True, False])
+def test_the_run_directory_writes_tensorboard_where_no_tracker_gets_it(
+    tmp_path: pathlib.Path, routed: bool
+) -> None:
+    """No TensorBoard tracker (or no routing): the run directory's own ``tensorboard/``."""
+    telemetry = TelemetryTracker(every_n_steps=3, log_to_loggers=routed)
+    log_with: list[Any] = [telemetry, RecordingTracker()] if routed else ["tensorboard", telemetry]
+    accelerator, model, optimizer, data = setup(tmp_path, telemetry, log_with=log_with)
+    train(accelerator, model, optimizer, data, steps=4)
+    accelerator.end_training()
+    own = events(tmp_path / "telemetry" / "tensorboard")
+    histograms = own.Histograms("telemetry/net.0/output/histogram")
+    assert [event.step for event in histograms] == [0, 3]
 
 
 def test_every_micro_batch_of_an_accumulated_step_is_sampled(tmp_path: pathlib.Path) -> None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from accelerate import Accelerator
 from accelerate.tracking import TensorBoardTracker, WandBTracker
+from accelerate.utils import LoggerType
 
 from torchinstruments_core.routing import ScalarTarget, SummaryWriterTarget, WandbRunTarget
 
@@ -27,6 +28,21 @@ def tracker_targets(trackers: Iterable[Any]) -> list[Target]:
         else:
             targets.append(ScalarTarget(tracker.log))
     return targets
+
+
+def has_tensorboard(accelerator: Accelerator) -> bool:
+    """Whether ``accelerator`` logs to TensorBoard: in its ``log_with`` or its started trackers.
+
+    ``log_with`` holds ``LoggerType.TENSORBOARD`` (``"tensorboard"``, or ``"all"`` expanded to
+    it where tensorboard is installed) or a ``TensorBoardTracker`` itself; ``init_trackers``,
+    which may come after ``watch``, makes the trackers.
+    """
+    held = [*getattr(accelerator, "log_with", ()), *getattr(accelerator, "trackers", ())]
+    return any(
+        isinstance(tracker, TensorBoardTracker)
+        or getattr(tracker, "value", tracker) == LoggerType.TENSORBOARD.value
+        for tracker in held
+    )
 
 
 def accelerator_holding(tracker: object) -> tuple[Accelerator | None, int]:

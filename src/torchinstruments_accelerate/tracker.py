@@ -14,7 +14,11 @@ from accelerate.utils import broadcast_object_list
 from torch import nn
 from typing_extensions import override
 
-from torchinstruments_accelerate._trackers import accelerator_holding, tracker_targets
+from torchinstruments_accelerate._trackers import (
+    accelerator_holding,
+    has_tensorboard,
+    tracker_targets,
+)
 from torchinstruments_core import ConfigurationError, ObservationWarning
 from torchinstruments_core._deprecation import renamed_argument
 from torchinstruments_core.adapter import (
@@ -116,7 +120,10 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         and ``<prefix>/model/update/l2_norm``) are at the same step as the samples, the step of
         the user's loss. The run directory is by default
         ``<accelerator.logging_dir>/telemetry`` (the project directory; ``./telemetry`` when
-        neither is known); ``watch`` logs its absolute path at INFO on the main process.
+        neither is known); ``watch`` logs its absolute path at INFO on the main process. It
+        has no ``tensorboard/`` of its own where a TensorBoard tracker gets the routing (one in
+        ``log_with``: ``tensorboard --logdir <project_dir>`` shows each tag once); the other
+        processes under ``rank_policy="all"``, and a run with ``log_to_loggers=False``, write it.
 
     It takes every option of ``TelemetryOptions`` by keyword (``log_to_loggers`` routes into
     the accelerator's other trackers), plus the ones below.
@@ -341,7 +348,10 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         self._routed = routed
         targets: Callable[[], list[Target]] | list[Target] = self._other_trackers if routed else []
         self._watch = self.nonfinite_watch(targets)
-        return self.sink(folder, targets, watch=self._watch)
+        # no tensorboard/ of the run directory's own where a TensorBoard tracker gets the same
+        # tags: ``tensorboard --logdir <project_dir>`` would show each of them twice
+        tensorboard = routed is None or not has_tensorboard(routed)
+        return self.sink(folder, targets, tensorboard=tensorboard, watch=self._watch)
 
     def _choose_folder(self, accelerator: Accelerator | None, run_id: str) -> RunFolder:
         """``output_dir``, else ``telemetry`` in the accelerator's logging dir, ours, or ``.``."""
