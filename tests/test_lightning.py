@@ -148,16 +148,39 @@ def test_validation_and_sanity_check_do_not_shift_the_schedule(tmp_path: pathlib
 
 
 def test_sample_validation_adds_forward_only_samples(tmp_path: pathlib.Path) -> None:
-    """sample_validation=True adds forward-only samples at the current global step."""
-    monitor = TelemetryMonitor(every_n_steps=100, sample_validation=True)
-    trainer(tmp_path, max_steps=4, val_check_interval=4, callbacks=[monitor]).fit(
-        Regressor(), loader(), loader(batches=2)
-    )
+    """sample_validation=True adds forward-only samples at the current global step.
+
+    In TensorBoard they have keys of their own (``telemetry/forward_only/...``): the training
+    keys keep one point per sampled training step, not the validation batches' beside it.
+    """
+    tensorboard = TensorBoardLogger(tmp_path, name="tb")
+    monitor = TelemetryMonitor(every_n_steps=2, sample_validation=True)
+    trainer(
+        tmp_path, max_steps=4, val_check_interval=4, logger=tensorboard, callbacks=[monitor]
+    ).fit(Regressor(), loader(), loader(batches=2))
     samples = pl_.read_parquet(telemetry_dir(tmp_path) / "samples.parquet")
     forward = samples.filter(pl_.col("kind") == "forward")
-    assert forward.select("step", "forward_only").rows() == [(0, False), (4, True), (4, True)]
+    assert forward.select("step", "forward_only").rows() == [
+        (0, False),
+        (2, False),
+        (4, True),
+        (4, True),
+    ]
     # a validation sample (no gradients) records no optimizer step
-    assert samples.filter(pl_.col("kind") == "step")["step"].to_list() == [0]
+    assert samples.filter(pl_.col("kind") == "step")["step"].to_list() == [0, 2]
+    events = _events(pathlib.Path(tensorboard.log_dir))
+    assert [e.step for e in events.Scalars("telemetry/net.0/output/rms")] == [0, 2]
+    assert [e.step for e in events.Histograms("telemetry/net.0/output/histogram")] == [0, 2]
+    validation = events.Scalars("telemetry/forward_only/net.0/output/rms")
+    assert [e.step for e in validation] == [4, 4]
+    assert [e.step for e in events.Scalars("telemetry/forward_only/nonfinite_tensors")] == [4, 4]
+    histograms = events.Histograms("telemetry/forward_only/net.0/output/histogram")
+    assert [e.step for e in histograms] == [4, 4]
+    assert not [
+        t
+        for t in events.Tags()["scalars"]
+        if t.startswith("telemetry/forward_only/") and "gradient" in t
+    ]
 
 
 def test_manual_optimization(tmp_path: pathlib.Path) -> None:

@@ -54,3 +54,29 @@ def test_targets_given_as_a_function_are_looked_up_at_each_write() -> None:
         model(torch.randn(2, 4)).sum().backward()
     assert [call[2] for call in first.calls] == [1]
     assert [call[2] for call in second.calls] == [2]
+
+
+def test_a_forward_only_sample_has_keys_of_its_own() -> None:
+    """A forward without backward (evaluation) routes under ``<prefix>/forward_only/``.
+
+    A training sample's keys are untouched, so the two never share a curve in a logger.
+    """
+    target = Recorder()
+    model = mlp()
+    router = LoggerRouter([target])
+    with inject_observer(model, sampler=AlwaysSampler(), sink=router, max_focus_layers=1):
+        model(torch.randn(2, 4)).sum().backward()
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+    (trained, _, _), (evaluated, histograms, step) = target.calls
+    assert step == 1
+    assert "telemetry/0/output/rms" in trained
+    assert not any(key.startswith("telemetry/forward_only/") for key in trained)
+    assert histograms == ["telemetry/forward_only/0/output/histogram"]
+    assert sorted(evaluated) == sorted(
+        [f"telemetry/forward_only/0/output/{m}" for m in ("rms", "max_abs", "nonfinite_fraction")]
+        + [
+            "telemetry/forward_only/nonfinite_tensors",
+            "telemetry/forward_only/collection_duration_ms",
+        ]
+    )

@@ -78,6 +78,11 @@ class TelemetryOptions:
           non-finite (the first of an episode, see ``on_nonfinite``), to every logger;
           ``<prefix>/nonfinite``, the message naming the layers, as text to the loggers that
           take text (TensorBoard ``add_text``, W&B ``wandb.Html``).
+        - A forward-only sample's keys (no backward reached it: a validation batch, an
+          evaluation under ``torch.no_grad`` in a sampled step) have ``forward_only/`` after
+          the prefix (``<prefix>/forward_only/<layer>/output/rms``,
+          ``<prefix>/forward_only/nonfinite_tensors``), so that they never share a curve with
+          the training samples of the same step.
 
         Every layer's full statistics go to the run directory (``rank-NNN/`` inside per process
         under ``rank_policy="all"``): ``history.parquet``, ``samples.parquet``, ``result.json``,

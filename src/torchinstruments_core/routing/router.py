@@ -6,6 +6,13 @@ focus tensor is ``<prefix>/<layer>/<signal>/histogram``. Two summaries per sampl
 ``<prefix>/nonfinite_tensors`` (how many observed tensors held NaN or Inf, over all layers) and
 ``<prefix>/collection_duration_ms``. The step is the trainer's step, else the sample id.
 
+A forward-only sample (no backward reached it: an evaluation batch, a forward under
+``torch.no_grad``) has its keys under ``<prefix>/forward_only/`` instead
+(``<prefix>/forward_only/<layer>/output/rms``, ``<prefix>/forward_only/nonfinite_tensors``): it
+often shares its step with a training sample (a validation pass at a sampled step, an
+evaluation batch inside one), and under the same keys the loggers would show the two models'
+states, train and eval mode, as one curve.
+
 A step record (the rows of an optimizer step) goes the same way, with the metrics its signals'
 definitions name (``SignalSpec.routed_metrics``, ``SignalSpec.model_metrics``) rather than
 ``scalar_metrics``: its rows' keys name the parameter
@@ -40,6 +47,8 @@ if TYPE_CHECKING:
     from torchinstruments_core.routing.base import Target
 
 DEFAULT_SCALAR_METRICS = ("rms", "max_abs", "nonfinite_fraction")
+FORWARD_ONLY_SCOPE = "forward_only"
+"""The part of a forward-only sample's keys after the prefix (see the module's docstring)."""
 
 
 class LoggerRouter:
@@ -103,8 +112,9 @@ class LoggerRouter:
                 sample), an ``ExceptionGroup`` of them if several did.
         """
         step = sample.step if sample.step is not None else sample.sample_id
-        scalars = self._scalars(sample)
-        histograms = self._histograms(sample.histograms) if self.histograms else {}
+        prefix = self._prefix_of(sample)
+        scalars = self._scalars(sample, prefix)
+        histograms = self._histograms(sample.histograms, prefix) if self.histograms else {}
         errors: list[Exception] = []
         for target in self.targets:
             try:
@@ -153,18 +163,22 @@ class LoggerRouter:
         key = tensor_key(layer, 0, signal, path)
         return [f"{self.prefix}/{key}/{metric}" for metric in ordered]
 
-    def _scalars(self, sample: SampleRecord) -> dict[str, float]:
+    def _prefix_of(self, sample: SampleRecord) -> str:
+        """``prefix``, or ``<prefix>/forward_only`` for a forward-only sample."""
+        return f"{self.prefix}/{FORWARD_ONLY_SCOPE}" if sample.forward_only else self.prefix
+
+    def _scalars(self, sample: SampleRecord, prefix: str) -> dict[str, float]:
         """The routed rows' values by key, read from the rows' parts (no ``StatRow`` made)."""
         scalars: dict[str, float] = {}
         for part in row_parts(sample.rows):
             routed = self._routed_metrics(part)
             if not routed:
                 continue
-            key = f"{self.prefix}/{_key(part)}"
+            key = f"{prefix}/{_key(part)}"
             for metric, value in zip(part.metrics, part.values, strict=True):
                 if value is not None and metric in routed:
                     scalars[f"{key}/{metric}"] = value
-        return scalars | summary_scalars(sample, self.prefix)
+        return scalars | summary_scalars(sample, prefix)
 
     def _routed_metrics(self, part: RowPart) -> frozenset[str]:
         """The metrics routed for the tensor of ``part`` (none for a layer not routed)."""
@@ -174,9 +188,11 @@ class LoggerRouter:
             return frozenset()
         return self._layer_metrics.get(part.signal, frozenset())
 
-    def _histograms(self, records: Sequence[HistogramRecord]) -> dict[str, HistogramRecord]:
+    def _histograms(
+        self, records: Sequence[HistogramRecord], prefix: str
+    ) -> dict[str, HistogramRecord]:
         return {
-            f"{self.prefix}/{_key(record)}/histogram": record
+            f"{prefix}/{_key(record)}/histogram": record
             for record in records
             if record.signal in self.signals
         }
