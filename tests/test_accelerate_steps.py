@@ -139,5 +139,9 @@ def test_an_evaluation_before_the_log_and_a_second_log_leave_the_numbering_alone
         (104, 4, False),
         (105, 5, False),
     ]
-    histograms = events(tmp_path / "exp").Histograms("telemetry/net.0/output/histogram")
-    assert [e.step for e in histograms] == [100, 101, 102, 103, 103, 104, 105]
+    tensorboard = events(tmp_path / "exp")
+    histograms = tensorboard.Histograms("telemetry/net.0/output/histogram")
+    assert [e.step for e in histograms] == [100, 101, 102, 103, 104, 105]
+    # the evaluation's forward-only sample has keys of its own, at the same step
+    evaluated = tensorboard.Histograms("telemetry/forward_only/net.0/output/histogram")
+    assert [e.step for e in evaluated] == [103]
