@@ -30,6 +30,15 @@ there, as in ``paired.py``:
   its values read back (one ``tolist`` each). The least that a design handing each tensor to
   another core from Python pays: what the observer would cost if its per-tensor work were one
   call in the hook and one at the close, before any rows or delivery.
+- ``lean design``: ``copies + queue`` plus what any observer must add to it, done as leanly as
+  Python allows: each tensor's place (its module and whether it is an output or a gradient, a
+  tuple), the kernels' output written into buffers kept from step to step, and at the close
+  one wait for the queue, each tensor's values read back into one columnar record (lists of
+  floats), pickled once and written to a pipe that a writer process reads. No measurement
+  objects, no reuse of a tensor measured twice, no in-place reads, no check for a tensor
+  changed under the queue, no non-finite fallback, no gradient scale: the least a design with
+  rows and a writer process pays, an estimate of what a rewrite of the observer's per-tensor
+  path could reach.
 - ``observer``: a step the observer samples (default profile, run directory with its writer
   process): hooks, copies, the reductions on another core, the rows and their delivery.
 
@@ -49,6 +58,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import multiprocessing
+import pickle
 import resource
 import statistics
 import tempfile
@@ -67,11 +79,20 @@ from torchinstruments_core.run_directory import RunDirectorySink
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from multiprocessing.connection import Connection
 
+    import numpy as np
     from _overhead_workloads import Workload
     from torch.utils.hooks import RemovableHandle
 
-CONFIGURATIONS = ("hooks", "copies", "copies + kernels", "copies + queue", "observer")
+CONFIGURATIONS = (
+    "hooks",
+    "copies",
+    "copies + kernels",
+    "copies + queue",
+    "lean design",
+    "observer",
+)
 BINS = 64
 SEED = 7
 """The seed of every subsample's positions (the observer's seeds change with each sample)."""
@@ -84,6 +105,7 @@ class FloorHooks:
         self._leaves = [m for m in model.modules() if m is not model and not any(m.children())]
         self._copy = False
         self._to_queue = False  # ``copies + queue``: each copy goes to ``_queue`` in its hook
+        self._lean = False  # ``lean design``: the queue, kept outputs, one record to a pipe
         self._queue: object | None = None  # made at the first such step
         self.held: list[torch.Tensor] = []
         self.jobs: list[_native.Queued] = []
@@ -91,27 +113,97 @@ class FloorHooks:
         # keep its copy buffers: fresh memory would make the copies fault its pages in
         self._buffers: dict[tuple[torch.Size, torch.dtype], list[torch.Tensor]] = {}
         self._taken: dict[tuple[torch.Size, torch.dtype], int] = {}
+        self._places = {id(leaf): index for index, leaf in enumerate(self._leaves)}
+        # ``lean design``: each tensor's place, the kernels' output buffers of each position in
+        # the step (kept while its size stays), the jobs' tickets, and the writer's pipe
+        self._sites: list[tuple[int, int]] = []
+        self._outputs: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self._tickets: list[int] = []
+        self._writer: tuple[Connection, multiprocessing.process.BaseProcess] | None = None
+        self._step = 0
 
-    def arm(self, *, copy: bool, queue: bool = False) -> list[RemovableHandle]:
+    def arm(self, *, copy: bool, queue: bool = False, lean: bool = False) -> list[RemovableHandle]:
         """Register the forward hooks for one step; the caller removes them.
 
-        ``queue``: hand each copy to the kernels' queue in its hook (``copies + queue``).
+        ``queue``: hand each copy to the kernels' queue in its hook (``copies + queue``);
+        ``lean``: that, with kept output buffers and one record to a writer process.
         """
         self._copy = copy
-        self._to_queue = queue
-        if queue and self._queue is None:
+        self._to_queue = queue and not lean
+        self._lean = lean
+        if (queue or lean) and self._queue is None:
             self._queue = _native.new_queue()
+        if lean and self._writer is None:
+            self._writer = _start_writer()
         return [leaf.register_forward_hook(self._on_output) for leaf in self._leaves]
 
-    def _keep(self, tensor: torch.Tensor) -> None:
+    def _keep(self, tensor: torch.Tensor, site: tuple[int, int] = (-1, 1)) -> None:
         kept = self._copied(tensor.detach()) if self._copy else tensor.detach()
         self.held.append(kept)
-        if self._to_queue:
+        if self._lean:
+            self._submit_lean(kept.reshape(-1), site)
+        elif self._to_queue:
             values = kept.reshape(-1)  # a contiguous copy: a view of its buffer
             call = _call(values.numel(), DEFAULT_SAMPLE_SIZE, BINS)
             seed = SEED if call.drawn else None
             queued = _native.submit_profile(self._queue, values, seed, call.size, call.plan, BINS)
             self.jobs.append(queued)
+
+    def _submit_lean(self, values: torch.Tensor, site: tuple[int, int]) -> None:
+        """Queue ``values``' profile into the output buffers kept for this position."""
+        assert _native.KERNELS is not None
+        numel = values.numel()
+        call = _call(numel, DEFAULT_SAMPLE_SIZE, BINS)
+        position = len(self._tickets)
+        if position < len(self._outputs) and self._outputs[position][0] == numel:
+            _, numbers, out = self._outputs[position]
+        else:
+            _, _, numbers, out = _native._profile_buffers(
+                values.dtype, call.size, call.plan, BINS, status=True
+            )
+            kept = (numel, numbers, out)
+            if position < len(self._outputs):
+                self._outputs[position] = kept
+            else:
+                self._outputs.append(kept)
+        plan = call.plan
+        ranks, table = (plan.ranks, plan.table) if plan else (_native._NO_RANKS, _native._NO_TABLE)
+        ticket = _native.KERNELS.queue_submit(
+            self._queue,
+            SEED if call.drawn else None,
+            values.data_ptr(),
+            numel,
+            0,  # float32
+            0,
+            call.size,
+            ranks,
+            table,
+            BINS,
+            numbers,
+            out,
+        )
+        self._tickets.append(ticket)
+        self._sites.append(site)
+
+    def _deliver_lean(self) -> None:
+        """Wait for the queue once, read every job's values back, and send one record."""
+        if not self._tickets:
+            return
+        assert self._queue is not None
+        assert self._writer is not None
+        _native.queue_wait(self._queue, self._tickets[-1])
+        count = len(self._tickets)
+        outputs = self._outputs[:count]
+        record = {
+            "step": self._step,
+            "sites": self._sites,
+            "status": [int(numbers[-1]) for _, numbers, _ in outputs],
+            "summary": [numbers[:-1].tolist() for _, numbers, _ in outputs],
+            "values": [out.tolist() for _, _, out in outputs],
+        }
+        self._writer[0].send_bytes(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
+        self._step += 1
+        self._tickets, self._sites = [], []
 
     def _copied(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` copied into a contiguous buffer of its shape kept from earlier steps."""
@@ -129,7 +221,11 @@ class FloorHooks:
         self._taken.clear()
 
     def collect(self) -> None:
-        """Wait for the queue's jobs and read each one's values back (``copies + queue``)."""
+        """Wait for the queue's jobs and read each one's values back (``copies + queue``).
+
+        ``lean design``: its record is made and handed to the writer process.
+        """
+        self._deliver_lean()
         if self.jobs:
             last = self.jobs[-1].ticket
             if self._queue is not None and last is not None:
@@ -139,16 +235,22 @@ class FloorHooks:
         self.jobs.clear()
 
     def close(self) -> None:
-        """Stop the queue's thread, if ``copies + queue`` started one."""
+        """Stop the queue's thread and the writer process, where a configuration started them."""
         if self._queue is not None:
             _native.queue_close(self._queue)
+        if self._writer is not None:
+            connection, process = self._writer
+            connection.close()  # the writer reads to the end and exits
+            process.join(timeout=30)
+            self._writer = None
 
-    def _on_output(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
+    def _on_output(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
         if not isinstance(output, torch.Tensor) or not output.is_floating_point():
             return
-        self._keep(output)
+        place = self._places[id(module)]
+        self._keep(output, (place, 0))
         if output.requires_grad:
-            output.register_hook(self._keep)
+            output.register_hook(functools.partial(self._keep, site=(place, 1)))
 
     def reduce(self) -> None:
         """The kernels' default profile of every tensor held, on this thread.
@@ -188,9 +290,10 @@ def measure(name: str, rounds: int) -> dict[str, list[tuple[float, int]]]:
             started = time.perf_counter()
             observer.begin_step(next(counter), sample=configuration == "observer")
             handles = []
-            if configuration in ("hooks", "copies", "copies + kernels", "copies + queue"):
+            if configuration != "observer" and configuration != "unsampled":
                 queue = configuration == "copies + queue"
-                handles = floor.arm(copy=configuration != "hooks", queue=queue)
+                lean = configuration == "lean design"
+                handles = floor.arm(copy=configuration != "hooks", queue=queue, lean=lean)
             _run(workload, handles, floor, reduce=configuration == "copies + kernels")
             observer.end_step()
             elapsed = time.perf_counter() - started
@@ -209,6 +312,23 @@ def measure(name: str, rounds: int) -> dict[str, list[tuple[float, int]]]:
             if index % 10 == 9:
                 print(f"{name}: round {index + 1}/{rounds}", end="\r", flush=True)
     return times
+
+
+def _start_writer() -> tuple[Connection, multiprocessing.process.BaseProcess]:
+    """A process that reads and unpickles every record written to the returned pipe."""
+    context = multiprocessing.get_context("spawn")
+    reading, writing = context.Pipe(duplex=False)
+    process = context.Process(target=_read_records, args=(reading,), daemon=True)
+    process.start()
+    reading.close()
+    return writing, process
+
+
+def _read_records(connection: Connection) -> None:
+    """The writer process of ``lean design``: unpickle each record, until the pipe closes."""
+    with contextlib.suppress(EOFError):
+        while True:
+            pickle.loads(connection.recv_bytes())
 
 
 def _next(configuration: str) -> str:
