@@ -267,6 +267,39 @@ def test_watch_without_accelerator_warns_when_not_exactly_one_holds_the_tracker(
     assert events(tmp_path / "project" / "exp").Tags()["histograms"] == []
 
 
+def test_watch_warns_when_the_accelerator_given_lacks_the_tracker_in_log_with(
+    tmp_path: pathlib.Path,
+) -> None:
+    """accelerator.log never reaches a tracker left out of log_with: watch says so.
+
+    The run still goes to the run directory, numbered by the tracker's own count (not the
+    loop's 1-based steps), and reaches it in full at finish().
+    """
+    accelerator = Accelerator(cpu=True, log_with=["tensorboard"], project_dir=tmp_path / "project")
+    accelerator.init_trackers("exp")
+    telemetry = TelemetryTracker(every_n_steps=2)
+    model = Regressor()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    prepared, optimizer, data = accelerator.prepare(model, optimizer, loader())
+    with pytest.warns(ObservationWarning) as warned:
+        telemetry.watch(prepared, accelerator=accelerator, optimizer=optimizer)
+    message = str(warned[0].message)
+    assert "that Accelerator's log_with does not hold this tracker" in message
+    assert "its steps keep the tracker's own count" in message
+    assert f"writing the run directory to {tmp_path / 'project' / 'telemetry'}." in message
+    assert message.endswith("Pass it in Accelerator(log_with=[..., telemetry]).")
+    train(accelerator, prepared, optimizer, data, steps=3, user_step=0)
+    accelerator.end_training()
+    telemetry.finish()
+    records = samples(tmp_path / "project" / "telemetry", kind=None).sort("sample_id")
+    assert records.select("step", "kind").rows() == [
+        (0, "forward"),
+        (0, "step"),
+        (2, "forward"),
+        (2, "step"),
+    ]
+
+
 def test_finish_leaves_no_hook_and_nothing_holding_the_tracker(tmp_path: pathlib.Path) -> None:
     """After finish() no module hook is left and no hook (the optimizer's) holds the tracker."""
     telemetry = TelemetryTracker(every_n_steps=1, output_dir=tmp_path / "run")

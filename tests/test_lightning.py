@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import pathlib
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_helpers import Regressor, loader, telemetry_dir, trainer
-from torchinstruments_core import ConfigurationError
+from torchinstruments_core import ConfigurationError, ObservationWarning
 from torchinstruments_core._background import ReductionWorker
 from torchinstruments_core._measure import Measurer
 from torchinstruments_core._native_worker import NativeWorker
@@ -184,7 +185,10 @@ def test_sample_validation_adds_forward_only_samples(tmp_path: pathlib.Path) -> 
 
 
 def test_manual_optimization(tmp_path: pathlib.Path) -> None:
-    """With manual optimization, sampled steps have forward and gradient rows."""
+    """With manual optimization, sampled steps have forward and gradient rows.
+
+    After the only manual_backward nothing runs: one sample a step, the ids without a gap.
+    """
 
     class Manual(Regressor):
         def __init__(self) -> None:
@@ -212,6 +216,71 @@ def test_manual_optimization(tmp_path: pathlib.Path) -> None:
         "parameter_gradient",
         "update",
     }
+    records = pl_.read_parquet(telemetry_dir(tmp_path) / "samples.parquet").sort("sample_id")
+    assert records.select("sample_id", "step", "kind").rows() == [
+        (0, 0, "forward"),
+        (1, 0, "step"),
+        (2, 2, "forward"),
+        (3, 2, "step"),
+    ]
+
+
+class _TwoPhases(pl.LightningModule):
+    """A GAN's shape: two optimizers, each phase its own forward and manual_backward.
+
+    The critic runs in both phases, the generator's output detached in the second.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh())
+        self.critic = torch.nn.Sequential(torch.nn.Linear(8, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, _ = batch
+        generator_opt, critic_opt = self.optimizers()  # type: ignore[attr-defined]
+        fake = self.generator(x)
+        generator_opt.zero_grad()
+        self.manual_backward(-self.critic(fake).mean())
+        generator_opt.step()
+        critic_opt.zero_grad()
+        real = torch.tanh(x.repeat(1, 2))
+        self.manual_backward(self.critic(fake.detach()).mean() - self.critic(real).mean())
+        critic_opt.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.SGD(self.generator.parameters(), lr=0.01),
+            torch.optim.SGD(self.critic.parameters(), lr=0.01),
+        ]
+
+
+def test_manual_optimization_samples_every_phase_of_a_sampled_step(tmp_path: pathlib.Path) -> None:
+    """A second forward and manual_backward in one training_step is a sample of its own.
+
+    The generator phase and the critic phase (two critic calls) are both recorded at the
+    batch's step; no phase, no sample: the sample ids run without a gap.
+    """
+    trainer(tmp_path, max_steps=8, callbacks=[TelemetryMonitor(every_n_steps=4)]).fit(
+        _TwoPhases(), loader()
+    )
+    folder = telemetry_dir(tmp_path)
+    records = pl_.read_parquet(folder / "samples.parquet").sort("sample_id")
+    forward = records.filter(pl_.col("kind") == "forward")
+    # Lightning counts one step per optimizer step: batches start at 0, 2, 4 and 6
+    assert forward["step"].to_list() == [0, 0, 4, 4]
+    assert records["sample_id"].to_list() == list(range(records.height))
+    history = _history(tmp_path)
+    phases = (
+        history.filter(pl_.col("signal") == "output_gradient", pl_.col("step") == 0)
+        .group_by("sample_id")
+        .agg(pl_.col("layer").unique().sort(), pl_.col("call_index").max())
+        .sort("sample_id")
+    )
+    first, second = phases.rows()[0], phases.rows()[1]
+    assert first[1:] == (["critic.0", "generator.0", "generator.1"], 0)
+    assert second[1:] == (["critic.0"], 1)  # two critic calls, the generator's output detached
 
 
 def test_exception_mid_fit_removes_hooks_and_finalizes(tmp_path: pathlib.Path) -> None:
@@ -260,6 +329,65 @@ def test_resume_continues_sample_ids_and_steps_without_overwriting(tmp_path: pat
     assert resumed.select("sample_id", "step").rows() == [(4, 4), (5, 4), (6, 6), (7, 6)]
     assert resumed["run_id"].n_unique() == first_samples["run_id"].n_unique() == 1
     assert resumed["run_id"][0] != first_samples["run_id"][0]
+
+
+class _Sized(Regressor):
+    """A Regressor with what the tuner adjusts: a learning rate and the loader's batch size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr = 0.05
+        self.batch_size = 4
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> Any:
+        return loader(batches=64 // self.batch_size, batch_size=self.batch_size)
+
+    def val_dataloader(self) -> Any:
+        return loader(batches=2, batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("finder", ["lr", "batch_size"])
+def test_a_tuner_callback_does_not_make_a_fresh_fit_a_resumed_one(
+    tmp_path: pathlib.Path, finder: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LearningRateFinder and BatchSizeFinder restore a checkpoint of their own as fitting starts.
+
+    That leaves ``trainer.ckpt_path`` set; the fit is still a new run, in ``telemetry/``, its
+    sample ids from 0 and the tuner's own steps not in it. Fitting the same callback again
+    starts another new run (its state from the first fit is in the tuner's checkpoint too).
+    """
+    from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+
+    def tuner() -> pl.Callback:
+        if finder == "lr":
+            return LearningRateFinder(num_training_steps=5)
+        return BatchSizeFinder(mode="power", max_trials=2, steps_per_trial=2)
+
+    def fit(version: int, steps: int) -> None:
+        logger = TensorBoardLogger(tmp_path, name="run", version=version)
+        fitting = trainer(tmp_path, max_steps=steps, logger=logger, callbacks=[tuner(), monitor])
+        with warnings.catch_warnings(record=True) as caught:  # the tuner's own warn, or not
+            warnings.simplefilter("always")
+            fitting.fit(_Sized())
+        assert not [w for w in caught if issubclass(w.category, ObservationWarning)]
+
+    monitor = TelemetryMonitor(every_n_steps=2)
+    caplog.set_level("INFO")
+    fit(0, 4)
+    folder = tmp_path / "run" / "version_0"
+    assert sorted(p.name for p in folder.glob("telemetry*")) == ["telemetry"]
+    records = pl_.read_parquet(folder / "telemetry" / "samples.parquet")
+    assert records.select("sample_id", "step").rows() == [(0, 0), (1, 0), (2, 2), (3, 2)]
+    assert "TelemetryMonitor: new run" in caplog.text
+    assert "resumed run" not in caplog.text
+    fit(1, 2)
+    assert sorted(p.name for p in (tmp_path / "run" / "version_1").glob("telemetry*")) == [
+        "telemetry"
+    ]
+    assert "resumed run" not in caplog.text
 
 
 def test_run_id_rank_sample_id_is_a_unique_key_across_fits_and_resumes(

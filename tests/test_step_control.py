@@ -92,6 +92,81 @@ def test_explicit_samples_cover_submodule_calls_without_a_root_forward() -> None
     assert sink.value("2", "output_gradient", "mean") == pytest.approx(1.0)
 
 
+def _hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) for m in model.children())  # the root keeps its own
+
+
+def test_a_lazy_sample_starts_at_the_first_module_that_runs() -> None:
+    """open_sample(lazy=True): the sample starts when a selected module runs, not before.
+
+    Between the open and that module a sample started and closed (the step's first phase)
+    and a step record took an id: the lazy sample takes the next id, and its gradients are
+    matched to it as usual.
+    """
+    from torchinstruments_core import Signal
+
+    model = mlp()
+    sink = RecordingSink()
+    with inject_observer(model, sink=sink) as observer:
+        observer.begin_step(0, sample=False)
+        observer.open_sample(3)
+        first = model[0](torch.randn(2, 4)).sum()
+        observer.finish_forward()
+        first.backward()
+        assert observer.open_sample(3, lazy=True)
+        armed = _hooks(model)
+        assert armed > 0  # the hooks stay while it waits
+        assert observer.next_sample_id == 1  # no id taken yet
+        second = model[2](model[1](torch.randn(2, 8))).sum()
+        observer.finish_forward()
+        second.backward()
+        observer.end_step()
+        assert _hooks(model) < armed  # disarmed once nothing needs them
+    assert [(s.sample_id, s.step) for s in sink.samples] == [(0, 3), (1, 3)]
+    layers = {(r.layer, r.signal) for r in sink.samples[1].rows}
+    # the ReLU's input needs no gradient: only the last layer's output gets one
+    assert layers == {("1", Signal.OUTPUT), ("2", Signal.OUTPUT), ("2", Signal.OUTPUT_GRADIENT)}
+
+
+def test_a_lazy_sample_nothing_runs_in_is_no_sample() -> None:
+    """No selected module runs before finish_forward: nothing delivered, no id taken, disarmed."""
+    model = mlp()
+    sink = RecordingSink()
+    with inject_observer(model, sink=sink) as observer:
+        observer.begin_step(0, sample=False)
+        assert observer.open_sample(0, lazy=True)
+        torch.randn(3).sum()  # the rest of the step runs no selected module
+        observer.finish_forward()
+        observer.end_step()
+        assert _hooks(model) == 0
+        assert observer.next_sample_id == 0
+        observer.begin_step(1, sample=False)
+        observer.open_sample(1)  # an ordinary one after it: id 0
+        model(torch.randn(2, 4)).sum().backward()
+        observer.finish_forward()
+        observer.end_step()
+    assert [(s.sample_id, s.step) for s in sink.samples] == [(0, 1)]
+
+
+def test_a_lazy_sample_is_served_by_a_root_forward_the_plan_samples() -> None:
+    """A root forward that samples by itself while a lazy open waits is that sample.
+
+    It ends with ``finish_forward``, as an explicit sample does, and the lazy open leaves
+    nothing behind.
+    """
+    model = mlp()
+    sink = RecordingSink()
+    with inject_observer(model, sink=sink) as observer:
+        observer.begin_step(4, sample=True)
+        assert observer.open_sample(4, lazy=True)
+        model(torch.randn(2, 4)).sum().backward()
+        model(torch.randn(2, 4)).sum().backward()  # explicit: the same sample goes on
+        observer.finish_forward()
+        observer.end_step()
+        assert _hooks(model) == 0
+    assert [(s.sample_id, s.step) for s in sink.samples] == [(0, 4)]
+
+
 def test_gradient_scale_divides_the_recorded_gradients() -> None:
     """With set_gradient_scale(s), gradients are recorded divided by s; outputs are untouched."""
     from torchinstruments_core import ConfigurationError

@@ -175,3 +175,47 @@ def test_a_failing_sink_during_release_follows_the_error_policy(policy: ErrorPol
         loop.forward()
         loop.sample()  # held: step 1 has no number yet
         loop.log(6)  # warned once: not again (filterwarnings=error would fail the test)
+
+
+class PickySink(RecordingSink):
+    """Takes every sample but the ones listed: those it refuses, as a finished W&B run does."""
+
+    def __init__(self, refused: set[int]) -> None:
+        super().__init__()
+        self.refused = refused
+
+    def write(self, sample: SampleRecord) -> None:
+        if sample.sample_id in self.refused:
+            raise RuntimeError(f"refused sample {sample.sample_id}")
+        super().write(sample)
+
+
+def test_a_sample_the_sink_refuses_at_close_does_not_hold_back_the_ones_after_it() -> None:
+    """Every held sample is passed on at close; the refusals are raised once all have gone."""
+    sink = PickySink({0, 1})
+    loop = Loop(sink)
+    loop.forward()
+    for sample_id in range(4):
+        loop.holding.write(record(sample_id=sample_id, step=0))
+    with pytest.raises(ExceptionGroup) as raised:
+        loop.holding.close()
+    assert [s.sample_id for s in sink.samples] == [2, 3]
+    assert sorted(str(e) for e in raised.value.exceptions) == [
+        "refused sample 0",
+        "refused sample 1",
+    ]
+    assert sink.closed
+
+
+def test_with_a_multi_sink_the_run_directory_keeps_what_a_failing_logger_refuses() -> None:
+    """Before a MultiSink: a logger failing at close costs the other sink nothing."""
+    from torchinstruments_core.sinks import MultiSink
+
+    kept, logger = RecordingSink(), FailingSink()
+    numbering = StepNumbering(lambda: 1)
+    holding = HoldingSink(MultiSink([kept, logger]), numbering)
+    for sample_id in range(3):
+        holding.write(record(sample_id=sample_id, step=0))
+    with pytest.raises(ExceptionGroup):
+        holding.close()
+    assert [s.sample_id for s in kept.samples] == [0, 1, 2]

@@ -67,10 +67,19 @@ def _holders(tracker: object) -> list[Accelerator]:
     return [
         candidate
         for candidate in gc.get_objects()
-        if issubclass(type(candidate), Accelerator) and _holds(candidate, tracker)
+        if issubclass(type(candidate), Accelerator) and holds(candidate, tracker)
     ]
 
 
-def _holds(accelerator: Accelerator, tracker: object) -> bool:
+def lacks(accelerator: object, tracker: object) -> bool:
+    """Whether ``accelerator`` is an ``Accelerator`` whose ``log_with`` lacks ``tracker``.
+
+    Anything else (a stand-in with a ``scaler`` and ``trackers``) is taken at its word.
+    """
+    return issubclass(type(accelerator), Accelerator) and not holds(accelerator, tracker)
+
+
+def holds(accelerator: Accelerator, tracker: object) -> bool:
+    """Whether ``accelerator``'s ``log_with`` (or ``trackers``) holds ``tracker`` itself."""
     held = [*getattr(accelerator, "log_with", ()), *getattr(accelerator, "trackers", ())]
     return any(t is tracker for t in held)

@@ -17,6 +17,7 @@ from typing_extensions import override
 from torchinstruments_accelerate._trackers import (
     accelerator_holding,
     has_tensorboard,
+    lacks,
     tracker_targets,
 )
 from torchinstruments_core import ConfigurationError, ObservationWarning
@@ -244,6 +245,7 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         if self._clock is not None:
             raise ConfigurationError("this tracker already watches a model; call finish() first")
         holders = 1
+        given = accelerator
         if accelerator is None:
             accelerator, holders = accelerator_holding(self)
         state = PartialState()
@@ -259,6 +261,8 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         self._run_directory = folder.path if folder is not None else None
         if accelerator is None:
             warnings.warn(_unrouted(holders, self._run_directory), ObservationWarning, stacklevel=2)
+        elif given is not None and lacks(given, self):
+            warnings.warn(_not_held(self._run_directory), ObservationWarning, stacklevel=2)
         self._should_stop = False
         sink = self._sink(folder, accelerator if self.routes(main=main) else None)
         self._holding = HoldingSink(
@@ -370,6 +374,18 @@ def _broadcast(value: Any) -> Any:
 
 def _local(value: Any) -> Any:
     return value
+
+
+def _not_held(folder: Path | None) -> str:
+    """The warning of ``watch(model, accelerator=...)`` when its ``log_with`` lacks the tracker."""
+    where = f"writing the run directory to {folder}" if folder else "writing no run directory"
+    return (
+        "TelemetryTracker.watch(model, accelerator=...): that Accelerator's log_with does not "
+        "hold this tracker, so accelerator.log never reaches it and end_training() does not "
+        "finish it: its steps keep the tracker's own count (0, 1, 2 ...) instead of your "
+        "step= numbers, and the run closes at finish() or when the process ends; "
+        f"{where}. Pass it in Accelerator(log_with=[..., telemetry])."
+    )
 
 
 def _unrouted(holders: int, folder: Path | None) -> str:

@@ -57,6 +57,9 @@ class _ThreadState(threading.local):
     depth = 0
     active: Sample | None = None
     explicit = False
+    # ``open(step, lazy=True)`` waiting for the first selected module to run: its step
+    lazy = False
+    lazy_step: int | None = None
 
 
 class SampleLifecycle:
@@ -96,6 +99,7 @@ class SampleLifecycle:
         self.training_forwards = 0
         self.next_sample_id = config.first_sample_id
         self._running: dict[int, Sample] = {}  # samples whose forward runs, in any thread
+        self._lazy = 0  # lazy opens waiting for a module to run, in any thread (arming stays)
         self._pending: dict[int, Sample] = {}  # forward done, waiting for their backward
         self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
         self._released: collections.deque[Sample] = collections.deque()  # see _on_graph_released
@@ -159,23 +163,46 @@ class SampleLifecycle:
                 self._probe.keep_until_backward(sample, output)
             self._end_forward(failed=output is None)
 
-    def open(self, step: int | None) -> bool:
-        """Start a sample now, ended by ``finish_explicit`` (see ``Observer.open_sample``)."""
-        if self._local.active is not None:
+    def open(self, step: int | None, *, lazy: bool = False) -> bool:
+        """Start a sample now, ended by ``finish_explicit`` (see ``Observer.open_sample``).
+
+        ``lazy``: arm the hooks now and start the sample at the first selected module that runs
+        in this thread (``_observe``); if none runs before ``finish_explicit``, there is none.
+        """
+        local = self._local
+        if local.active is not None or local.lazy:
             self.finish_explicit()
         self._gate.resolve()
         if self.removed or not self._gate.enabled:
             return False
-        self._local.explicit = True
-        self._start(step)
+        local.explicit = True
+        if not lazy:
+            self._start(step)
+            return True
+        with self._lock:
+            self._lazy += 1
+        local.lazy, local.lazy_step = True, step
+        self.attachment.arm()
         return True
 
     def finish_explicit(self) -> None:
         """End the forward of the sample ``open`` started in this thread, if any."""
         local = self._local
         explicit, local.explicit = local.explicit, False
-        if explicit:
+        if self._end_lazy():  # no module ran since the lazy open: there is no sample
+            self.update_arming()
+        elif explicit:
             self._end_forward(failed=False)
+
+    def _end_lazy(self) -> bool:
+        """Forget this thread's lazy open, if one still waits; whether one did."""
+        local = self._local
+        if not local.lazy:
+            return False
+        local.lazy, local.lazy_step = False, None
+        with self._lock:
+            self._lazy -= 1
+        return True
 
     def _start(self, step: int | None) -> None:
         started = time.perf_counter()
@@ -193,7 +220,11 @@ class SampleLifecycle:
                 sentinel, self._on_graph_released, sample
             )
             self._running[sample.sample_id] = sample
-        self._local.active = sample
+            local = self._local
+            if local.lazy:  # a lazy open of this thread is served by this sample, however started
+                local.lazy, local.lazy_step = False, None
+                self._lazy -= 1
+        local.active = sample
         self.attachment.arm()
         if sample.grad_enabled:
             self.on_training_sample(step)
@@ -218,7 +249,11 @@ class SampleLifecycle:
         *values: Any,
     ) -> None:
         """Hand a layer's inputs or output to the probe; a failure is reported, never raised."""
-        sample = self._local.active
+        local = self._local
+        sample = local.active
+        if sample is None and local.lazy and not in_backward():
+            self._start(local.lazy_step)  # the first module since a lazy open: its sample starts
+            sample = local.active
         if sample is None:
             if self._pending and in_backward():
                 try:
@@ -345,6 +380,7 @@ class SampleLifecycle:
         with self._lock:
             needed = (
                 bool(self._running)
+                or self._lazy > 0
                 or self._plan.sampling
                 or any(s.recompute.waiting for s in self._pending.values())
             )
@@ -435,6 +471,7 @@ class SampleLifecycle:
         """Forget every open sample without delivering it (in a child made by ``fork``)."""
         self._lock = threading.RLock()  # another thread may have held it during the fork
         self._local = _ThreadState()
+        self._lazy = 0
         self._running.clear()
         self._pending.clear()
         self._delivery.abandon(self._lock)

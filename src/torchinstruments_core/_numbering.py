@@ -26,7 +26,11 @@ import warnings
 from typing import TYPE_CHECKING
 
 from torchinstruments_core._config import ErrorPolicy
-from torchinstruments_core._exceptions import ObservationError, ObservationWarning
+from torchinstruments_core._exceptions import (
+    ObservationError,
+    ObservationWarning,
+    raise_collected,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -169,16 +173,31 @@ class HoldingSink:
                 self.sink.close()
 
     def _pass_known(self, *, final: bool) -> None:
+        """Pass on the held samples whose number is known (all of them when ``final``).
+
+        A sample ``sink`` fails to take does not hold back the ones after it: each is passed on
+        (a ``MultiSink`` gives each to every sink, so a logger that fails, such as a W&B run
+        finished before the telemetry closed, costs the run directory nothing), and the
+        failures are raised once all have gone.
+        """
+        errors: list[Exception] = []
         while self._held:
             sample = self._held[0]
-            number = None
             if sample.step is not None:
                 number = self.numbering.number(sample.step, final=final)
                 if number is None:
-                    return  # later samples are of the same step or a later one
+                    break  # later samples are of the same step or a later one
                 sample = dataclasses.replace(sample, step=number, optimizer_step=sample.step)
             self._held.popleft()
-            self.sink.write(sample)
+            try:
+                self.sink.write(sample)
+            except Exception as error:
+                errors.append(error)
+        first = errors[0] if errors else None
+        raise_collected(
+            errors,
+            f"the sink failed to take {len(errors)} samples ({type(first).__name__}: {first})",
+        )
 
     def _failed(self, error: Exception) -> None:
         message = (

@@ -172,7 +172,7 @@ class Observer:
         else:
             self._samples.update_arming()  # a sampled step that never saw its end_step
 
-    def open_sample(self, step: int | None = None) -> bool:
+    def open_sample(self, step: int | None = None, *, lazy: bool = False) -> bool:
         """Start a sample now, without waiting for a root forward.
 
         For trainers whose step is not a call of the observed module (a LightningModule's
@@ -180,11 +180,20 @@ class Observer:
         ``finish_forward`` belongs to this sample, and the gradients flowing back into their
         outputs are matched to it as usual.
 
+        Args:
+            step: The step the sample belongs to.
+            lazy: Start the sample only when the first selected module runs (in this thread)
+                before ``finish_forward``; if none runs, there is no sample: nothing is
+                delivered and no sample id is taken. For a sample opened in case more of a step
+                follows (a second forward and backward under manual optimization). Without it
+                a sample in which nothing selected ran is delivered with no rows, which says
+                that the step was sampled and nothing selected ran.
+
         Returns:
-            Whether a sample was opened (``False`` on a rank that does not observe, or after
-            removal).
+            Whether a sample was opened, or is waiting for its first module with ``lazy``
+            (``False`` on a rank that does not observe, or after removal).
         """
-        return self._samples.open(step)
+        return self._samples.open(step, lazy=lazy)
 
     def finish_forward(self) -> None:
         """End the forward part of the sample opened with ``open_sample``.

@@ -30,7 +30,10 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     ``accumulate_grad_batches`` (one sample each), and every row carries ``trainer.global_step``
     as its ``step``. Validation, test and predict batches are sampled only when asked, as
     forward-only samples at the current global step; the sanity check never is, and none of them
-    shifts the training schedule. Manual optimization works the same way.
+    shifts the training schedule. Under manual optimization each forward and backward of a
+    sampled step's ``training_step`` is a sample of its own at that step (a GAN's generator
+    phase, then its discriminator phase): after each ``manual_backward`` the next selected module
+    to run, if any, starts another sample.
 
     Hooks are placed on the ``LightningModule`` when fitting starts (or a sampled validate, test or
     predict run starts) and removed on teardown and on an exception (``KeyboardInterrupt``
@@ -112,9 +115,14 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         self._observer: Observer | None = None
         self._watch: NonFiniteWatch | None = None
         self._run_directory: Path | None = None
+        self._sampled_step: int | None = None  # the step of the batch being sampled, if any
         # The state a checkpoint saves now, and the one restored for the next attach.
         self._state: dict[str, Any] = {}
         self._restored: dict[str, Any] | None = None
+        # Whether this fit restored a checkpoint (not a tuner's own), and whether the one being
+        # restored now is a tuner's (``on_load_checkpoint``, before ``load_state_dict``).
+        self._checkpoint_restored = False
+        self._tuner_restore = False
 
     @property
     def observer(self) -> Observer | None:
@@ -167,10 +175,12 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         # The step, not the root forward, is the sampling unit: a training_step may call only
         # submodules, so samples are opened explicitly and root forwards never sample by themselves.
         self._observer.begin_step(step, sample=False)
+        self._sampled_step = None
         if self._watch is not None and self._watch.begin_step(step):
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             self._observer.set_gradient_scale(self.gradient_scale(scaler, pl_module.device))
             self._observer.open_sample(step)
+            self._sampled_step = step
 
     @override
     def on_before_backward(
@@ -178,6 +188,16 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     ) -> None:
         if self._observer is not None:
             self._observer.finish_forward()
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Manual optimization may run more forwards and backwards in the same training_step (a
+        # GAN's discriminator after its generator): each is a sample of the batch's step. Under
+        # automatic optimization the step's forward is done (an LBFGS closure's re-evaluations
+        # stay unsampled). Lazy: the sample starts at the next selected module, if one runs.
+        step = self._sampled_step
+        if self._observer is not None and step is not None and not pl_module.automatic_optimization:
+            self._observer.open_sample(step, lazy=True)
 
     @override
     def on_train_batch_end(
@@ -192,6 +212,7 @@ class TelemetryMonitor(Callback, TelemetryOptions):
             self._watch.check_loss(outputs.get("loss") if isinstance(outputs, dict) else outputs)
             self._observer.finish_forward()
             self._observer.end_step()
+            self._sampled_step = None
             if self._watch.act():  # on_nonfinite="stop"; "raise" raises here and ends the fit
                 trainer.should_stop = True
 
@@ -236,7 +257,22 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         return dict(self._state)
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # before the stage restores its checkpoint, if it has one
+        self._checkpoint_restored = self._tuner_restore = False
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._tuner_restore = _tuner_checkpoint(trainer.ckpt_path)
+        self._checkpoint_restored = self._checkpoint_restored or not self._tuner_restore
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._tuner_restore:  # what this callback held when the tuner saved, moments ago
+            self._tuner_restore = False
+            return
         self._restored = dict(state_dict)
         self._state = dict(state_dict)
 
@@ -277,8 +313,13 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     def _resume(self, trainer: pl.Trainer) -> dict[str, Any] | None:
         """The checkpoint's state when this fit resumes one (``{}`` if it holds none of ours)."""
         restored, self._restored = self._restored, None
+        # A tuner callback (LearningRateFinder, BatchSizeFinder) restores a checkpoint of its own
+        # as fitting starts, which leaves trainer.ckpt_path set: not a resume.
+        restoring = self._checkpoint_restored or (
+            trainer.ckpt_path is not None and not _tuner_checkpoint(trainer.ckpt_path)
+        )
         # Only a fit restores callback state; validate(ckpt_path=...) resumes no run.
-        if trainer.state.fn == TrainerFn.FITTING and (restored or trainer.ckpt_path):
+        if trainer.state.fn == TrainerFn.FITTING and (restored or restoring):
             return restored or {}
         return None
 
@@ -343,3 +384,13 @@ def _first_sample_id(resume: dict[str, Any] | None) -> int:
     if resume is None:
         return 0
     return int(resume.get("next_sample_id", resume.get("samples_taken", 0)))
+
+
+_TUNER_CHECKPOINTS = (".lr_find_", ".scale_batch_size_")
+"""How the checkpoints of Lightning's tuner (``lr_find``, ``scale_batch_size``) are named: each
+saves one as it starts and restores it when done (``lightning.pytorch.tuner``)."""
+
+
+def _tuner_checkpoint(path: object) -> bool:
+    """Whether ``path`` is one of the checkpoints Lightning's tuner saves and restores itself."""
+    return path is not None and Path(str(path)).name.startswith(_TUNER_CHECKPOINTS)
