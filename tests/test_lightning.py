@@ -149,10 +149,12 @@ def test_validation_and_sanity_check_do_not_shift_the_schedule(tmp_path: pathlib
 
 
 def test_sample_validation_adds_forward_only_samples(tmp_path: pathlib.Path) -> None:
-    """sample_validation=True adds forward-only samples at the current global step.
+    """sample_validation=True adds forward-only samples at the step Lightning logs them at.
 
-    In TensorBoard they have keys of their own (``telemetry/forward_only/...``): the training
-    keys keep one point per sampled training step, not the validation batches' beside it.
+    That is the step of the validation loss (3 after the fourth training batch, while
+    ``global_step`` is 4 already). In TensorBoard they have keys of their own
+    (``telemetry/forward_only/...``): the training keys keep one point per sampled training
+    step, not the validation batches' beside it.
     """
     tensorboard = TensorBoardLogger(tmp_path, name="tb")
     monitor = TelemetryMonitor(every_n_steps=2, sample_validation=True)
@@ -164,8 +166,8 @@ def test_sample_validation_adds_forward_only_samples(tmp_path: pathlib.Path) -> 
     assert forward.select("step", "forward_only").rows() == [
         (0, False),
         (2, False),
-        (4, True),
-        (4, True),
+        (3, True),
+        (3, True),
     ]
     # a validation sample (no gradients) records no optimizer step
     assert samples.filter(pl_.col("kind") == "step")["step"].to_list() == [0, 2]
@@ -173,10 +175,11 @@ def test_sample_validation_adds_forward_only_samples(tmp_path: pathlib.Path) -> 
     assert [e.step for e in events.Scalars("telemetry/net.0/output/rms")] == [0, 2]
     assert [e.step for e in events.Histograms("telemetry/net.0/output/histogram")] == [0, 2]
     validation = events.Scalars("telemetry/forward_only/net.0/output/rms")
-    assert [e.step for e in validation] == [4, 4]
-    assert [e.step for e in events.Scalars("telemetry/forward_only/nonfinite_tensors")] == [4, 4]
+    assert [e.step for e in events.Scalars("val_loss")] == [3]
+    assert [e.step for e in validation] == [3, 3]
+    assert [e.step for e in events.Scalars("telemetry/forward_only/nonfinite_tensors")] == [3, 3]
     histograms = events.Histograms("telemetry/forward_only/net.0/output/histogram")
-    assert [e.step for e in histograms] == [4, 4]
+    assert [e.step for e in histograms] == [3, 3]
     assert not [
         t
         for t in events.Tags()["scalars"]
@@ -246,8 +249,10 @@ class _TwoPhases(pl.LightningModule):
         generator_opt.step()
         critic_opt.zero_grad()
         real = torch.tanh(x.repeat(1, 2))
-        self.manual_backward(self.critic(fake.detach()).mean() - self.critic(real).mean())
+        critic_loss = self.critic(fake.detach()).mean() - self.critic(real).mean()
+        self.manual_backward(critic_loss)
         critic_opt.step()
+        self.log("critic_loss", critic_loss)
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         return [
@@ -260,17 +265,23 @@ def test_manual_optimization_samples_every_phase_of_a_sampled_step(tmp_path: pat
     """A second forward and manual_backward in one training_step is a sample of its own.
 
     The generator phase and the critic phase (two critic calls) are both recorded at the
-    batch's step; no phase, no sample: the sample ids run without a gap.
+    batch's step; no phase, no sample: the sample ids run without a gap. The step is the one
+    Lightning logs the batch's losses at, which counts batches (``global_step`` counts both
+    optimizers' steps: 0, 2, 4, 6), so the telemetry and the losses share their x-axis.
     """
-    trainer(tmp_path, max_steps=8, callbacks=[TelemetryMonitor(every_n_steps=4)]).fit(
+    tensorboard = TensorBoardLogger(tmp_path, name="tb")
+    monitor = TelemetryMonitor(every_n_steps=2)
+    trainer(tmp_path, max_steps=8, logger=tensorboard, callbacks=[monitor]).fit(
         _TwoPhases(), loader()
     )
     folder = telemetry_dir(tmp_path)
     records = pl_.read_parquet(folder / "samples.parquet").sort("sample_id")
     forward = records.filter(pl_.col("kind") == "forward")
-    # Lightning counts one step per optimizer step: batches start at 0, 2, 4 and 6
-    assert forward["step"].to_list() == [0, 0, 4, 4]
+    assert forward["step"].to_list() == [0, 0, 2, 2]
     assert records["sample_id"].to_list() == list(range(records.height))
+    events = _events(pathlib.Path(tensorboard.log_dir))
+    assert [e.step for e in events.Scalars("critic_loss")] == [0, 1, 2, 3]
+    assert sorted({e.step for e in events.Scalars("telemetry/critic.0/output/rms")}) == [0, 2]
     history = _history(tmp_path)
     phases = (
         history.filter(pl_.col("signal") == "output_gradient", pl_.col("step") == 0)
@@ -379,8 +390,17 @@ def test_a_tuner_callback_does_not_make_a_fresh_fit_a_resumed_one(
     fit(0, 4)
     folder = tmp_path / "run" / "version_0"
     assert sorted(p.name for p in folder.glob("telemetry*")) == ["telemetry"]
-    records = pl_.read_parquet(folder / "telemetry" / "samples.parquet")
-    assert records.select("sample_id", "step").rows() == [(0, 0), (1, 0), (2, 2), (3, 2)]
+    records = pl_.read_parquet(folder / "telemetry" / "samples.parquet").sort("sample_id")
+    assert records.select("sample_id", "kind").rows() == [
+        (0, "forward"),
+        (1, "step"),
+        (2, "forward"),
+        (3, "step"),
+    ]
+    # at the steps Lightning logs the loss at (BatchSizeFinder leaves them 1-based)
+    logged = [e.step for e in _events(folder).Scalars("loss")]
+    sampled = [step for step in logged if step % 2 == 0]
+    assert records["step"].to_list() == [step for step in sampled for _ in ("forward", "step")]
     assert "TelemetryMonitor: new run" in caplog.text
     assert "resumed run" not in caplog.text
     fit(1, 2)

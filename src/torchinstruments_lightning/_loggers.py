@@ -17,12 +17,27 @@ from torchinstruments_core.run_directory import safe_name
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    import lightning.pytorch as pl
     from lightning.fabric.loggers.logger import Logger
 
     from torchinstruments_core.routing import Target
 
 # WandbLogger logs the trainer's step under this key; our rows use it too, so they line up.
 WANDB_STEP_KEY = "trainer/global_step"
+
+
+def logging_step(trainer: pl.Trainer) -> int:
+    """The step Lightning's own logging uses now: ``self.log``'s, and its loggers' x-axis.
+
+    Lightning logs at its count of training batches that stepped (the fit loop's
+    ``_batches_that_stepped``; ``WandbLogger`` calls it ``trainer/global_step``): with one
+    optimizer that is ``trainer.global_step`` during a training batch and one less while
+    validation runs after it (before the count moves); with several optimizers, or under
+    manual optimization, it counts batches where ``global_step`` counts optimizer steps. The
+    attribute is private (``tests/test_lightning.py`` pins it): without it, ``global_step``.
+    """
+    stepped = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+    return trainer.global_step if stepped is None else int(stepped)
 
 
 def logger_targets(loggers: Iterable[Logger]) -> list[Target]:

@@ -12,7 +12,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from torchinstruments_core.adapter import RunFolder, TelemetryOptions, run_folder
-from torchinstruments_lightning._loggers import has_tensorboard, logger_targets, run_name
+from torchinstruments_lightning._loggers import (
+    has_tensorboard,
+    logger_targets,
+    logging_step,
+    run_name,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -25,12 +30,16 @@ if TYPE_CHECKING:
 class TelemetryMonitor(Callback, TelemetryOptions):
     r"""Samples per-layer statistics of outputs and output gradients every ``every_n_steps`` steps.
 
-    The forwards and backwards of every ``every_n_steps``-th optimizer step
-    (``trainer.global_step`` 0, n, 2n …) are sampled, every micro-batch of it under
-    ``accumulate_grad_batches`` (one sample each), and every row carries ``trainer.global_step``
-    as its ``step``. Validation, test and predict batches are sampled only when asked, as
-    forward-only samples at the current global step; the sanity check never is, and none of them
-    shifts the training schedule. Under manual optimization each forward and backward of a
+    Steps are the ones Lightning logs at, the x-axis of ``self.log`` and of its loggers
+    (``_loggers.logging_step``): with one optimizer, ``trainer.global_step`` during a training
+    batch and one less in the validation after it; with several optimizers, or under manual
+    optimization, Lightning's count of batches (``global_step`` counts optimizer steps). The
+    forwards and backwards of every ``every_n_steps``-th step (0, n, 2n …) are sampled, every
+    micro-batch of it under ``accumulate_grad_batches`` (one sample each), and every row
+    carries that step as its ``step``, so the telemetry lines up with the losses it is logged
+    beside. Validation, test and predict batches are sampled only when asked, as forward-only
+    samples at the step their own metrics are logged at; the sanity check never is, and none of
+    them shifts the training schedule. Under manual optimization each forward and backward of a
     sampled step's ``training_step`` is a sample of its own at that step (a GAN's generator
     phase, then its discriminator phase): after each ``manual_backward`` the next selected module
     to run, if any, starts another sample.
@@ -43,7 +52,7 @@ class TelemetryMonitor(Callback, TelemetryOptions):
 
     Optimizer step signals: every optimizer in ``trainer.optimizers`` is watched
     (``Observer.watch_optimizer``), so the optimizer step of each sampled step is recorded at
-    ``trainer.global_step`` in a step record: the parameters before it, the gradients it used
+    that step in a step record: the parameters before it, the gradients it used
     (after accumulation over ``accumulate_grad_batches``, unscaling under ``16-mixed`` and
     ``gradient_clip_val`` clipping), the update with ``update_to_weight``, the optimizer's state
     and the whole-model gradient and update norms (``step_signals`` chooses which). A sampled
@@ -59,8 +68,8 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     ends the fit; the run directory is finalized either way.
 
     Logged metrics:
-        The keys of ``TelemetryOptions``, into ``trainer.loggers`` on global rank 0 at
-        ``trainer.global_step``: histograms to TensorBoardLogger (raw histograms) and
+        The keys of ``TelemetryOptions``, into ``trainer.loggers`` on global rank 0 at the
+        step above: histograms to TensorBoardLogger (raw histograms) and
         WandbLogger (``wandb.Histogram``, with ``trainer/global_step``), scalars to every logger
         (CSV, MLflow …); the non-finite message as text to TensorBoardLogger and WandbLogger.
         The run directory holds no ``tensorboard/`` when a TensorBoardLogger
@@ -171,7 +180,7 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     ) -> None:
         if self._observer is None:
             return
-        step = trainer.global_step
+        step = logging_step(trainer)
         # The step, not the root forward, is the sampling unit: a training_step may call only
         # submodules, so samples are opened explicitly and root forwards never sample by themselves.
         self._observer.begin_step(step, sample=False)
@@ -279,7 +288,7 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     def _open_forward_only(self, trainer: pl.Trainer) -> None:
         if self._observer is not None:
             self._observer.set_gradient_scale(None)
-            self._observer.open_sample(trainer.global_step)
+            self._observer.open_sample(logging_step(trainer))
 
     def _finish_forward_only(self) -> None:
         if self._observer is not None:
@@ -361,7 +370,7 @@ class TelemetryMonitor(Callback, TelemetryOptions):
             first_sample_id=first_sample_id,
             optimizers=trainer.optimizers,  # all of them; empty outside fitting
         )
-        self._observer.begin_step(trainer.global_step, sample=False)
+        self._observer.begin_step(logging_step(trainer), sample=False)
 
     def _detach(self) -> None:
         observer, self._observer = self._observer, None
