@@ -239,6 +239,7 @@ class _TwoPhases(pl.LightningModule):
         self.automatic_optimization = False
         self.generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh())
         self.critic = torch.nn.Sequential(torch.nn.Linear(8, 1))
+        self.score = torch.nn.Sigmoid()  # a metric-like module after the last step
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         x, _ = batch
@@ -253,6 +254,7 @@ class _TwoPhases(pl.LightningModule):
         self.manual_backward(critic_loss)
         critic_opt.step()
         self.log("critic_loss", critic_loss)
+        self.log("score", self.score(critic_loss.detach()))
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         return [
@@ -277,11 +279,28 @@ def test_manual_optimization_samples_every_phase_of_a_sampled_step(tmp_path: pat
     folder = telemetry_dir(tmp_path)
     records = pl_.read_parquet(folder / "samples.parquet").sort("sample_id")
     forward = records.filter(pl_.col("kind") == "forward")
-    assert forward["step"].to_list() == [0, 0, 2, 2]
+    # the generator's phase, the critic's, and the score's (forward only) of steps 0 and 2
+    assert forward.select("step", "forward_only").rows() == [
+        (0, False),
+        (0, False),
+        (0, True),
+        (2, False),
+        (2, False),
+        (2, True),
+    ]
     assert records["sample_id"].to_list() == list(range(records.height))
+    # each optimizer's step recorded once a sampled step, and no step taken for a skipped one
+    steps = records.filter(pl_.col("kind") == "step")
+    assert steps["step"].to_list() == [0, 0, 2, 2]
+    assert steps["note"].to_list() == [None] * 4
     events = _events(pathlib.Path(tensorboard.log_dir))
     assert [e.step for e in events.Scalars("critic_loss")] == [0, 1, 2, 3]
-    assert sorted({e.step for e in events.Scalars("telemetry/critic.0/output/rms")}) == [0, 2]
+    # each phase under keys of its own: the critic's gradient is another quantity in each
+    gradient = "critic.0/output_gradient/rms"
+    assert [e.step for e in events.Scalars(f"telemetry/{gradient}")] == [0, 2]
+    assert [e.step for e in events.Scalars(f"telemetry/phase_2/{gradient}")] == [0, 2]
+    score = "telemetry/forward_only/phase_3/score/output/rms"
+    assert [e.step for e in events.Scalars(score)] == [0, 2]
     history = _history(tmp_path)
     phases = (
         history.filter(pl_.col("signal") == "output_gradient", pl_.col("step") == 0)
@@ -408,6 +427,31 @@ def test_a_tuner_callback_does_not_make_a_fresh_fit_a_resumed_one(
         "telemetry"
     ]
     assert "resumed run" not in caplog.text
+
+
+def test_a_fit_after_validating_a_checkpoint_is_a_new_run(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """validate(ckpt_path=...) restores the callback's state; the fit after it resumes nothing."""
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2)
+    first = TelemetryMonitor(every_n_steps=2)
+    trainer(tmp_path, max_steps=4, logger=False, callbacks=[first, saver]).fit(
+        Regressor(), loader()
+    )
+    checkpoint = next((tmp_path / "ckpt").glob("*.ckpt"))
+    monitor = TelemetryMonitor(every_n_steps=2)
+    later = tmp_path / "later"
+    fitting = trainer(later, max_steps=2, logger=False, callbacks=[monitor])
+    model = Regressor()
+    with pytest.warns(UserWarning, match="callbacks used to create the checkpoint"):
+        fitting.validate(model, loader(batches=2), ckpt_path=checkpoint)
+    caplog.set_level("INFO")
+    fitting.ckpt_path = None  # Lightning's own: the fit that follows starts afresh
+    fitting.fit(model, loader())
+    assert "resumed run" not in caplog.text
+    assert not list(later.rglob("*-resumed-*"))
+    records = pl_.read_parquet(telemetry_dir(later) / "samples.parquet").sort("sample_id")
+    assert records["sample_id"].to_list() == [0, 1]
 
 
 def test_run_id_rank_sample_id_is_a_unique_key_across_fits_and_resumes(

@@ -171,6 +171,28 @@ def test_watch_reports_an_episode_once_and_routes_it(caplog: pytest.LogCaptureFi
     assert [o.step for o in watch.onsets] == [20, 23]
 
 
+def test_an_episode_spans_steps_with_a_non_finite_sample_among_finite_ones(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Several samples a step (a GAN's phases): the step is non-finite if one of them is.
+
+    A critic phase non-finite at every step, after a finite generator phase, is one episode,
+    reported once; it ends with a step whose samples are all finite.
+    """
+    watch = _watch("warn")
+    bad, good = _row("critic", Signal.OUTPUT, 1.0), _row("critic", Signal.OUTPUT, 0.0)
+    with caplog.at_level(logging.WARNING, logger="torchinstruments"):
+        for step in (20, 21, 22):
+            watch.write(_record(good, step=step))
+            watch.write(_record(bad, step=step))
+        watch.write(_record(good, step=23))
+        watch.write(_record(good, step=23))
+        watch.write(_record(good, step=24))
+        watch.write(_record(bad, step=24))
+    assert [o.step for o in watch.onsets] == [20, 24]
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2
+
+
 def test_watch_stop_and_raise_act_once() -> None:
     """``stop`` answers true once after an onset; ``raise`` raises ``NonFiniteError``.
 

@@ -56,6 +56,44 @@ def test_targets_given_as_a_function_are_looked_up_at_each_write() -> None:
     assert [call[2] for call in second.calls] == [2]
 
 
+def test_a_sample_with_a_scope_routes_under_it() -> None:
+    """open_sample(scope="phase_2") keys go under ``<prefix>/phase_2/``, after forward_only.
+
+    The step's first sample keeps the prefix itself; a scoped forward-only one has both.
+    """
+    target = Recorder()
+    model = mlp()
+    router = LoggerRouter([target])
+    with inject_observer(model, sink=router, max_focus_layers=1) as observer:
+        observer.begin_step(0, sample=False)
+        observer.open_sample(0)
+        loss = model(torch.randn(2, 4)).sum()
+        observer.finish_forward()
+        loss.backward()
+        observer.open_sample(0, scope="phase_2")
+        loss = model(torch.randn(2, 4)).sum()
+        observer.finish_forward()
+        loss.backward()
+        observer.open_sample(0, lazy=True, scope="phase_3")
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+        observer.finish_forward()
+        observer.end_step()
+    (first, _, _), (second, second_histograms, _), (third, _, step) = target.calls
+    assert step == 0
+    assert "telemetry/0/output/rms" in first
+    assert not any("phase_" in key for key in first)
+    assert "telemetry/phase_2/0/output_gradient/rms" in second
+    assert "telemetry/phase_2/nonfinite_tensors" in second
+    assert all(key.startswith("telemetry/phase_2/") for key in second)
+    assert second_histograms == [
+        "telemetry/phase_2/0/output/histogram",
+        "telemetry/phase_2/0/output_gradient/histogram",
+    ]
+    assert "telemetry/forward_only/phase_3/0/output/rms" in third
+    assert all(key.startswith("telemetry/forward_only/phase_3/") for key in third)
+
+
 def test_a_forward_only_sample_has_keys_of_its_own() -> None:
     """A forward without backward (evaluation) routes under ``<prefix>/forward_only/``.
 

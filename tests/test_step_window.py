@@ -31,14 +31,32 @@ def test_each_optimizer_is_claimed_once_per_window() -> None:
 
 
 def test_micro_batches_of_one_step_share_its_window() -> None:
-    """Samples of the same step before its optimizer step keep the window; after it, a new one."""
-    window, optimizer = _watching(), object()
+    """Samples of the same trainer step share its window, before its optimizer step and after.
+
+    After it: the next phase of a manual-optimization step (a GAN's critic, then a metric
+    module after the last step). Each optimizer's first step is recorded once, a second one
+    closes the window, and no second window of the step is noted as skipped.
+    """
+    window, generator, critic = _watching(), object(), object()
     window.sampled(3)
     assert window.sampled(3) is None  # the second micro-batch
-    assert window.claim(optimizer)
+    assert window.claim(generator)
     assert window.step == 3
-    assert window.sampled(3) is None  # a new window: the optimizer may step again
+    assert window.sampled(3) is None  # the critic's phase: the same window
+    assert window.claim(critic)
+    assert window.sampled(3) is None  # a module after the last step: still the same
+    assert not window.claim(critic)  # the critic's second step: not recorded, window closed
+    assert not window.open
+    assert window.announced(4) is None  # it stepped: nothing to note
+
+
+def test_a_plain_loop_sample_after_the_optimizer_step_opens_a_new_window() -> None:
+    """Without step numbers, a training sample after the step is the next iteration's."""
+    window, optimizer = _watching(), object()
+    window.sampled(None)
     assert window.claim(optimizer)
+    assert window.sampled(None) is None
+    assert window.claim(optimizer)  # a new window: its first step again
 
 
 def test_a_step_without_an_optimizer_step_is_reported_once_the_next_begins() -> None:

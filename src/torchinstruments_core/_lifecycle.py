@@ -57,9 +57,10 @@ class _ThreadState(threading.local):
     depth = 0
     active: Sample | None = None
     explicit = False
-    # ``open(step, lazy=True)`` waiting for the first selected module to run: its step
+    # ``open(step, lazy=True)`` waiting for the first selected module to run: its step, scope
     lazy = False
     lazy_step: int | None = None
+    lazy_scope: str | None = None
 
 
 class SampleLifecycle:
@@ -163,11 +164,12 @@ class SampleLifecycle:
                 self._probe.keep_until_backward(sample, output)
             self._end_forward(failed=output is None)
 
-    def open(self, step: int | None, *, lazy: bool = False) -> bool:
+    def open(self, step: int | None, *, lazy: bool = False, scope: str | None = None) -> bool:
         """Start a sample now, ended by ``finish_explicit`` (see ``Observer.open_sample``).
 
         ``lazy``: arm the hooks now and start the sample at the first selected module that runs
         in this thread (``_observe``); if none runs before ``finish_explicit``, there is none.
+        ``scope``: the sample's ``SampleRecord.scope``.
         """
         local = self._local
         if local.active is not None or local.lazy:
@@ -177,11 +179,11 @@ class SampleLifecycle:
             return False
         local.explicit = True
         if not lazy:
-            self._start(step)
+            self._start(step, scope)
             return True
         with self._lock:
             self._lazy += 1
-        local.lazy, local.lazy_step = True, step
+        local.lazy, local.lazy_step, local.lazy_scope = True, step, scope
         self.attachment.arm()
         return True
 
@@ -189,9 +191,9 @@ class SampleLifecycle:
         """End the forward of the sample ``open`` started in this thread, if any."""
         local = self._local
         explicit, local.explicit = local.explicit, False
-        if self._end_lazy():  # no module ran since the lazy open: there is no sample
+        if self._end_lazy():  # no module ran since the lazy open: no sample of its own
             self.update_arming()
-        elif explicit:
+        if explicit:  # what runs in this thread (a root forward's sample, if one) ends too
             self._end_forward(failed=False)
 
     def _end_lazy(self) -> bool:
@@ -199,12 +201,12 @@ class SampleLifecycle:
         local = self._local
         if not local.lazy:
             return False
-        local.lazy, local.lazy_step = False, None
+        local.lazy, local.lazy_step, local.lazy_scope = False, None, None
         with self._lock:
             self._lazy -= 1
         return True
 
-    def _start(self, step: int | None) -> None:
+    def _start(self, step: int | None, scope: str | None = None) -> None:
         started = time.perf_counter()
         self._close_released()
         self._delivery.drain(wait=False)
@@ -213,6 +215,7 @@ class SampleLifecycle:
         scale = self._scale.read()
         with self._lock:
             sample = Sample(self.next_sample_id, step, time.time(), scale)
+            sample.scope = scope if scope is not None else self._local.lazy_scope
             self.next_sample_id += 1
             sentinel = _Sentinel()
             sample.sentinel = sentinel
@@ -222,7 +225,7 @@ class SampleLifecycle:
             self._running[sample.sample_id] = sample
             local = self._local
             if local.lazy:  # a lazy open of this thread is served by this sample, however started
-                local.lazy, local.lazy_step = False, None
+                local.lazy, local.lazy_step, local.lazy_scope = False, None, None
                 self._lazy -= 1
         local.active = sample
         self.attachment.arm()

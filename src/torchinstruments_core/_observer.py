@@ -172,7 +172,9 @@ class Observer:
         else:
             self._samples.update_arming()  # a sampled step that never saw its end_step
 
-    def open_sample(self, step: int | None = None, *, lazy: bool = False) -> bool:
+    def open_sample(
+        self, step: int | None = None, *, lazy: bool = False, scope: str | None = None
+    ) -> bool:
         """Start a sample now, without waiting for a root forward.
 
         For trainers whose step is not a call of the observed module (a LightningModule's
@@ -188,12 +190,16 @@ class Observer:
                 follows (a second forward and backward under manual optimization). Without it
                 a sample in which nothing selected ran is delivered with no rows, which says
                 that the step was sampled and nothing selected ran.
+            scope: Where the loggers put this sample's keys under their prefix
+                (``SampleRecord.scope``): ``"phase_2"`` routes them as
+                ``<prefix>/phase_2/<layer>/...``, apart from the step's first sample. ``None``
+                (the default): the prefix itself.
 
         Returns:
             Whether a sample was opened, or is waiting for its first module with ``lazy``
             (``False`` on a rank that does not observe, or after removal).
         """
-        return self._samples.open(step, lazy=lazy)
+        return self._samples.open(step, lazy=lazy, scope=scope)
 
     def finish_forward(self) -> None:
         """End the forward part of the sample opened with ``open_sample``.

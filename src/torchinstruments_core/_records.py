@@ -124,6 +124,10 @@ class SampleRecord:
         kind: ``RecordKind.FORWARD`` for a sample, ``RecordKind.STEP`` for a step record.
         note: Why a step record has no rows, when it stands for an optimizer step that did not
             run (``STEP_SKIPPED``); ``None`` otherwise.
+        scope: Where the loggers put this sample's keys under their prefix, when the trainer
+            step has samples of different kinds (``phase_2``, the second forward and backward
+            of a manual-optimization step: ``<prefix>/phase_2/...``); ``None``: the prefix
+            itself. Not in the run directory, where the sample id tells them apart.
     """
 
     run_id: str
@@ -138,6 +142,7 @@ class SampleRecord:
     optimizer_step: int | None = None
     kind: RecordKind = RecordKind.FORWARD
     note: str | None = None
+    scope: str | None = None
 
 
 STEP_SKIPPED = "optimizer_step_skipped"

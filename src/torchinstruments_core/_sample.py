@@ -98,6 +98,7 @@ class Sample:
         self.backward_task: int | None = None
         self.duration_s = 0.0
         self.note: str | None = None  # a step record's note (see ``SampleRecord.note``)
+        self.scope: str | None = None  # the loggers' key scope (see ``SampleRecord.scope``)
         self._calls: dict[str, int] = {}
         # each site's measurement, and whether its histogram (if any) is the site's to deliver
         self._measured: list[tuple[Site, Measurement, bool]] = []
@@ -289,6 +290,7 @@ class Sample:
             histograms=tuple(histograms),
             kind=self.kind,
             note=self.note,
+            scope=self.scope,
         )
 
     def _profile_rows(self) -> Iterator[StatRow]:

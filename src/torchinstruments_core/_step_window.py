@@ -6,7 +6,9 @@ its key is the trainer step (``None`` in a plain loop). While it is open, the fi
 watched optimizer is recorded. It closes
 
 - when an adapter announces another step (``begin_step`` with another number);
-- when a new training sample opens after an optimizer stepped in it (the next iteration);
+- when a new training sample opens after an optimizer stepped in it, in a plain loop (the next
+  iteration; a trainer step's later samples, such as the next phase of a manual-optimization
+  step, keep its window);
 - when an optimizer that already stepped in it steps again (a plain loop's next, unsampled,
   iteration);
 - at removal.
@@ -44,15 +46,18 @@ class StepWindow:
     def sampled(self, step: int | None) -> int | None:
         """A training sample of ``step`` opened (or a sampled step was announced).
 
-        The open window of the same step stays open while no optimizer stepped in it (the
-        micro-batches of an accumulated step); otherwise a new window opens.
+        The open window of the same trainer step stays open (the micro-batches of an
+        accumulated step, the next phase of a manual-optimization step after its optimizer
+        stepped: each optimizer's first step is recorded once, and no second window notes a
+        skipped step). In a plain loop (``None``) it stays open while no optimizer stepped in
+        it; otherwise a new window opens.
 
         Returns:
             The step of a window closed unstepped, to be noted; ``None`` if there is none.
         """
         if not self.watching:
             return None
-        if self.open and self._key == step and not self._stepped:
+        if self.open and self._key == step and (step is not None or not self._stepped):
             return None
         unstepped = self._close(noted=self._key != step)
         self.open, self._key = True, step

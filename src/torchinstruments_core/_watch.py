@@ -70,7 +70,10 @@ class NonFiniteWatch:
         self._step = 0
         self._loss: _PendingFlag | None = None
         self._loss_bad = False
-        self._samples_bad = False
+        self._samples_bad = False  # an episode is under way
+        # the trainer step of the samples seen last, and whether one of them was non-finite
+        self._sample_step: int | None = None
+        self._step_bad = False
         self._unhandled: NonFiniteOnset | None = None
         self.onsets: list[NonFiniteOnset] = []
 
@@ -124,12 +127,24 @@ class NonFiniteWatch:
         """Nothing to prepare."""
 
     def write(self, sample: SampleRecord) -> None:
-        """Look for non-finite values in a delivered record; report an episode's first."""
+        """Look for non-finite values in a delivered record; report an episode's first.
+
+        An episode ends with a trainer step whose samples are all finite, seen once a sample
+        of another step comes: a step with several samples (a manual-optimization step's
+        phases, a validation beside a training sample) is non-finite if one of them is. A
+        sample without a step is a step of its own.
+        """
         if sample.kind is not RecordKind.FORWARD:
             return  # a step record neither starts nor ends an episode
         onset = find_onset(sample)
-        if onset is None or self._samples_bad:
-            self._samples_bad = onset is not None
+        if sample.step is None or sample.step != self._sample_step:
+            if not self._step_bad:  # the step before ended with every sample finite
+                self._samples_bad = False
+            self._sample_step, self._step_bad = sample.step, False
+        if onset is None:
+            return
+        self._step_bad = True
+        if self._samples_bad:
             return
         self._samples_bad = True
         # the adapter's own count where the step is the user's number (Accelerate)

@@ -125,6 +125,7 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         self._watch: NonFiniteWatch | None = None
         self._run_directory: Path | None = None
         self._sampled_step: int | None = None  # the step of the batch being sampled, if any
+        self._phase = 1  # which forward and backward of its training_step (manual optimization)
         # The state a checkpoint saves now, and the one restored for the next attach.
         self._state: dict[str, Any] = {}
         self._restored: dict[str, Any] | None = None
@@ -185,6 +186,7 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         # submodules, so samples are opened explicitly and root forwards never sample by themselves.
         self._observer.begin_step(step, sample=False)
         self._sampled_step = None
+        self._phase = 1  # the forward and backward of a training_step under way
         if self._watch is not None and self._watch.begin_step(step):
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             self._observer.set_gradient_scale(self.gradient_scale(scaler, pl_module.device))
@@ -206,7 +208,8 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         # stay unsampled). Lazy: the sample starts at the next selected module, if one runs.
         step = self._sampled_step
         if self._observer is not None and step is not None and not pl_module.automatic_optimization:
-            self._observer.open_sample(step, lazy=True)
+            self._phase += 1  # its keys go apart: a critic's gradient differs from phase to phase
+            self._observer.open_sample(step, lazy=True, scope=f"phase_{self._phase}")
 
     @override
     def on_train_batch_end(
@@ -267,8 +270,10 @@ class TelemetryMonitor(Callback, TelemetryOptions):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # before the stage restores its checkpoint, if it has one
+        # before the stage restores its checkpoint, if it has one; what an earlier stage
+        # restored and no fit took (validate(ckpt_path=...)) is not this fit's to resume
         self._checkpoint_restored = self._tuner_restore = False
+        self._restored = None
 
     @override
     def on_load_checkpoint(

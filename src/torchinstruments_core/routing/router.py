@@ -11,7 +11,9 @@ A forward-only sample (no backward reached it: an evaluation batch, a forward un
 (``<prefix>/forward_only/<layer>/output/rms``, ``<prefix>/forward_only/nonfinite_tensors``): it
 often shares its step with a training sample (a validation pass at a sampled step, an
 evaluation batch inside one), and under the same keys the loggers would show the two models'
-states, train and eval mode, as one curve.
+states, train and eval mode, as one curve. A sample with a ``scope`` (``SampleRecord.scope``:
+the later phases of a manual-optimization step, ``phase_2`` …) has it after that:
+``<prefix>/phase_2/<layer>/output/rms``.
 
 A step record (the rows of an optimizer step) goes the same way, with the metrics its signals'
 definitions name (``SignalSpec.routed_metrics``, ``SignalSpec.model_metrics``) rather than
@@ -164,8 +166,9 @@ class LoggerRouter:
         return [f"{self.prefix}/{key}/{metric}" for metric in ordered]
 
     def _prefix_of(self, sample: SampleRecord) -> str:
-        """``prefix``, or ``<prefix>/forward_only`` for a forward-only sample."""
-        return f"{self.prefix}/{FORWARD_ONLY_SCOPE}" if sample.forward_only else self.prefix
+        """``prefix`` (``<prefix>/forward_only`` for a forward-only sample), then its scope."""
+        prefix = f"{self.prefix}/{FORWARD_ONLY_SCOPE}" if sample.forward_only else self.prefix
+        return prefix if sample.scope is None else f"{prefix}/{sample.scope}"
 
     def _scalars(self, sample: SampleRecord, prefix: str) -> dict[str, float]:
         """The routed rows' values by key, read from the rows' parts (no ``StatRow`` made)."""
