@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -191,6 +192,20 @@ def test_an_episode_spans_steps_with_a_non_finite_sample_among_finite_ones(
         watch.write(_record(bad, step=24))
     assert [o.step for o in watch.onsets] == [20, 24]
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2
+
+
+def test_steps_are_told_apart_by_the_adapters_count_where_the_user_repeats_a_number() -> None:
+    """Accelerate numbers steps as the loop logs them (``step=epoch`` repeats a number).
+
+    Its own count (``optimizer_step``) tells the steps apart: a finite step between two
+    non-finite ones ends the first episode, so the second one is reported.
+    """
+    watch = _watch("warn")
+    bad, good = _row("a", Signal.OUTPUT, 1.0), _row("a", Signal.OUTPUT, 0.0)
+    for count, row in enumerate((bad, good, bad)):
+        record = dataclasses.replace(_record(row, step=3), optimizer_step=count)
+        watch.write(record)
+    assert len(watch.onsets) == 2
 
 
 def test_watch_stop_and_raise_act_once() -> None:

@@ -45,9 +45,12 @@ def test_micro_batches_of_one_step_share_its_window() -> None:
     assert window.sampled(3) is None  # the critic's phase: the same window
     assert window.claim(critic)
     assert window.sampled(3) is None  # a module after the last step: still the same
-    assert not window.claim(critic)  # the critic's second step: not recorded, window closed
-    assert not window.open
+    assert not window.claim(critic)  # the critic's second step: not recorded
+    assert window.sampled(3) is None  # the critic's third phase: still the same window
+    assert not window.claim(critic)  # nor its third
+    assert window.step == 3
     assert window.announced(4) is None  # it stepped: nothing to note
+    assert not window.open
 
 
 def test_a_plain_loop_sample_after_the_optimizer_step_opens_a_new_window() -> None:

@@ -9,8 +9,9 @@ watched optimizer is recorded. It closes
 - when a new training sample opens after an optimizer stepped in it, in a plain loop (the next
   iteration; a trainer step's later samples, such as the next phase of a manual-optimization
   step, keep its window);
-- when an optimizer that already stepped in it steps again (a plain loop's next, unsampled,
-  iteration);
+- in a plain loop, when an optimizer that already stepped in it steps again (its next,
+  unsampled, iteration; in a trainer step, such as a WGAN's critic stepping five times, only
+  each optimizer's first step is recorded and the window stays);
 - at removal.
 
 A window of a trainer step that closes because another step began, with no optimizer step in it,
@@ -77,9 +78,10 @@ class StepWindow:
         """Whether this step of ``optimizer`` is recorded (its first in the open window)."""
         if not self.open:
             return False
-        if id(optimizer) in self._stepped:  # its next step: the window's step is over
-            self._close(noted=False)
-            return False
+        if id(optimizer) in self._stepped:  # its next step: not recorded
+            if self._key is None:  # a plain loop's next, unsampled iteration: the window ends
+                self._close(noted=False)
+            return False  # a trainer step's window lasts until another step is announced
         self._stepped.add(id(optimizer))
         return True
 

@@ -137,18 +137,19 @@ class NonFiniteWatch:
         if sample.kind is not RecordKind.FORWARD:
             return  # a step record neither starts nor ends an episode
         onset = find_onset(sample)
-        if sample.step is None or sample.step != self._sample_step:
+        # the adapter's own count where the step is the user's number (Accelerate), which a
+        # loop may repeat (step=epoch)
+        step = sample.optimizer_step if sample.optimizer_step is not None else sample.step
+        if step is None or step != self._sample_step:
             if not self._step_bad:  # the step before ended with every sample finite
                 self._samples_bad = False
-            self._sample_step, self._step_bad = sample.step, False
+            self._sample_step, self._step_bad = step, False
         if onset is None:
             return
         self._step_bad = True
         if self._samples_bad:
             return
         self._samples_bad = True
-        # the adapter's own count where the step is the user's number (Accelerate)
-        step = sample.optimizer_step if sample.optimizer_step is not None else sample.step
         if step is not None:
             self._trigger(step, "a sampled step held non-finite values")
         if self.policy is not NonFinitePolicy.IGNORE:

@@ -168,6 +168,10 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._detach()
+        if stage != "fit" and self._checkpoint_restored:
+            # what validate(ckpt_path=...) restored is no later fit's to resume (a state given
+            # with load_state_dict before a fit still is)
+            self._restored = None
 
     @override
     def on_exception(
@@ -270,10 +274,8 @@ class TelemetryMonitor(Callback, TelemetryOptions):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # before the stage restores its checkpoint, if it has one; what an earlier stage
-        # restored and no fit took (validate(ckpt_path=...)) is not this fit's to resume
+        # before the stage restores its checkpoint, if it has one
         self._checkpoint_restored = self._tuner_restore = False
-        self._restored = None
 
     @override
     def on_load_checkpoint(
