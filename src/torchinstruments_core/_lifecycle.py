@@ -197,7 +197,7 @@ class SampleLifecycle:
             self._end_forward(failed=False)
 
     def _end_lazy(self) -> bool:
-        """Forget this thread's lazy open, if one still waits; whether one did."""
+        """Forget this thread's lazy open, if one still waits; whether one did (lock re-entered)."""
         local = self._local
         if not local.lazy:
             return False
@@ -223,11 +223,8 @@ class SampleLifecycle:
                 sentinel, self._on_graph_released, sample
             )
             self._running[sample.sample_id] = sample
-            local = self._local
-            if local.lazy:  # a lazy open of this thread is served by this sample, however started
-                local.lazy, local.lazy_step, local.lazy_scope = False, None, None
-                self._lazy -= 1
-        local.active = sample
+            self._end_lazy()  # a lazy open of this thread is served by this sample, however started
+        self._local.active = sample
         self.attachment.arm()
         if sample.grad_enabled:
             self.on_training_sample(step)
