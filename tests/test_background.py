@@ -7,6 +7,7 @@ threads leave a core free, which this 2-core machine's default of 2 threads does
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import gc
 import inspect
@@ -524,6 +525,67 @@ def test_a_small_sample_goes_to_the_kernels_queue_from_the_next_sample_on(
     for other in (forced_sink, hooks_sink):  # worker, queue and hooks: the same values
         assert [s.rows for s in sink.samples] == [s.rows for s in other.samples]
         assert [s.histograms for s in sink.samples] == [s.histograms for s in other.samples]
+
+
+class _FailsOnce(nn.Module):
+    """Returns its input, after raising in its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("the first forward fails")
+        return x
+
+
+def test_a_sample_on_the_kernels_queue_holds_none_of_its_outputs(monkeypatch: Any) -> None:
+    """The queue copies every tensor, so its samples keep no output alive for the forward.
+
+    A sample on the Python worker holds its outputs until the forward ends, to learn which
+    ones later samples may read in place (``OutputProbe._measure_output``). A forward that
+    raised teaches nothing, so the next sample would hold them again; on the queue that tells
+    nothing, and it holds none. Its values are the hooks'.
+    """
+    import torchinstruments_core._measure as measure_module
+    import torchinstruments_core._probe as probe_module
+
+    if not NativeWorker.available():
+        pytest.skip("the kernels have no queue here")
+    monkeypatch.setattr(measure_module, "free_core", lambda: True)
+    held: list[int] = []
+    hold = probe_module._hold
+
+    def counted(sample: Sample, tensor: torch.Tensor) -> object:
+        held[-1] += 1
+        return hold(sample, tensor)
+
+    monkeypatch.setattr(probe_module, "_hold", counted)
+    batch = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    sinks = []
+    for background_reductions in (None, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), _FailsOnce())
+        sinks.append(RecordingSink())
+        held.clear()
+        with inject_observer(
+            model,
+            sampler=AlwaysSampler(),
+            sink=sinks[-1],
+            background_reductions=background_reductions,
+        ) as observer:
+            for step in range(3):
+                held.append(0)
+                observer.begin_step(step, sample=True)
+                with contextlib.suppress(RuntimeError):
+                    model(batch).pow(2).mean().backward()
+                observer.end_step()
+        if background_reductions is None:
+            assert held[0] > 0  # on the worker (nothing is known yet)
+            assert held[1:] == [0, 0]  # on the queue
+    assert [s.rows for s in sinks[0].samples] == [s.rows for s in sinks[1].samples]
 
 
 def test_a_sample_past_the_small_size_keeps_the_worker(monkeypatch: Any) -> None:

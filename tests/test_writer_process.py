@@ -8,6 +8,7 @@ training process under it, and read back what is on disk with Polars.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from torchinstruments_core import (
     StatRow,
     inject_observer,
 )
+from torchinstruments_core._records import STEP_SKIPPED, HistogramRecord, RecordKind
 from torchinstruments_core._rows import RowPart, SampleRows
 from torchinstruments_core._signals import Signal
 from torchinstruments_core.run_directory import (
@@ -95,6 +97,28 @@ def test_a_record_crosses_the_pipe_with_its_rows_as_parts() -> None:
         "r", 0, 4, None, 1.5, True, 2.0, (StatRow(*part[:4], "mean", 1.0, None),), ()
     )
     assert _writer_pipe.decode(_writer_pipe.encode(plain)) == plain
+
+
+def test_every_field_of_a_record_crosses_the_pipe_with_its_type() -> None:
+    """Histograms, kind, note, scope and the optimizer step come back equal, enums as enums.
+
+    ``encode`` sends plain tuples; the names it passes as they are, with the three it rebuilds,
+    are every field of ``SampleRecord`` (a field added later must be added there too).
+    """
+    names = {field.name for field in dataclasses.fields(SampleRecord)}
+    assert {*_writer_pipe._SCALAR_NAMES, "rows", "histograms", "kind"} == names
+    part = RowPart("a.b", 2, Signal.OUTPUT_GRADIENT, "output.1", ("mean",), [0.5], None)
+    edges, counts = (0.0, 1.0, 2.0), (3.0, 4.0)
+    histogram = HistogramRecord("a.b", 2, Signal.PARAMETER, "weight", edges, counts, 1)
+    record = SampleRecord(
+        "run", 1, 9, 40, 1.25, False, 0.5, SampleRows([part]), (histogram,),
+        optimizer_step=12, kind=RecordKind.STEP, note=STEP_SKIPPED, scope="phase_2",
+    )  # fmt: skip
+    again = _writer_pipe.decode(_writer_pipe.encode(record))
+    assert again == record
+    assert type(again.kind) is RecordKind
+    assert type(again.histograms[0].signal) is Signal
+    assert type(next(iter(again.rows)).signal) is Signal
 
 
 def test_the_writer_is_a_process_without_torch_and_writes_the_same_run(

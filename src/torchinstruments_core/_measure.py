@@ -150,6 +150,15 @@ class Measurer:
         self._samples += 1
         return seeded_cache(_native.mix_seed(self._seed & (2**64 - 1), self._samples))
 
+    @property
+    def queues(self) -> bool:
+        """Whether this sample's CPU tensors go to the kernels' queue (``SMALL_SAMPLE_ENTRIES``).
+
+        The queue copies every tensor it is handed (``_native_job``), so nothing of such a
+        sample is read in place (``measure``'s ``shared``) or teaches what could be.
+        """
+        return self._small and self._native is not None
+
     def process_groups(self) -> bool:
         """``process_groups_up()``, read once a sample (at its first shared tensor)."""
         groups = self._groups
@@ -210,7 +219,7 @@ class Measurer:
         version is shared (``shareable``).
         """
         self._let_go()
-        shared = shared and shareable(tensor, groups=self.process_groups())
+        shared = shared and not self.queues and shareable(tensor, groups=self.process_groups())
         try:
             plain = self._plain(tensor, scale)
         except Exception as error:  # an odd tensor must never break the step (error_policy decides)

@@ -349,11 +349,14 @@ class OutputProbe:
         is held in a later sample. Only what autograd computed is ever shared, or a view of it:
         not a view of an input (a numpy array a loop refills), a buffer or a parameter.
         """
+        measurer = self._measurer
+        if measurer.queues:  # the kernels' queue copies every tensor: nothing to share or learn
+            return self._measure_shared(tensor, site, histogram, None, shared=False)
         computed = _computed(tensor)
         shared = computed and site in self._unchanged
         measurement = self._measure_shared(tensor, site, histogram, None, shared=shared)
         learn = computed and not shared and site not in self._changed
-        groups = self._measurer.process_groups
+        groups = measurer.process_groups
         if learn and measurement.worker is not None and shareable(tensor, groups=groups()):
             sample.unverified.append((site, _hold(sample, tensor), version(tensor)))
         return measurement
@@ -382,7 +385,7 @@ class OutputProbe:
         ``grad_output``): the sample that read it then has no values for it
         (``modified_in_place``), and from that check on its gradient is copied.
         """
-        shared = site not in self._changed
+        shared = not self._measurer.queues and site not in self._changed
         return self._measure_shared(grad, site, histogram, sample.gradient_scale, shared=shared)
 
     def _measure_shared(

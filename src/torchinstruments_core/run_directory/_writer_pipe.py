@@ -15,17 +15,34 @@ sides import this module; it imports no torch.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import pickle
 import struct
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from torchinstruments_core._rows import SampleRows, row_parts
+from torchinstruments_core._records import HistogramRecord, RecordKind, SampleRecord, Signal
+from torchinstruments_core._rows import RowPart, SampleRows, row_parts
 
 if TYPE_CHECKING:
-    from torchinstruments_core._records import RunInfo, SampleRecord
+    from torchinstruments_core._records import RunInfo
     from torchinstruments_core.run_directory._layout import RunLayout
 
+_SCALAR_NAMES = (
+    "run_id",
+    "rank",
+    "sample_id",
+    "step",
+    "timestamp",
+    "forward_only",
+    "collection_duration_ms",
+    "optimizer_step",
+    "note",
+    "scope",
+)
+"""The fields of a ``SampleRecord`` that ``encode`` passes as they are (``test_writer_pipe``
+checks that with ``rows``, ``histograms`` and ``kind`` they are all of them)."""
+_SCALAR_FIELDS = operator.attrgetter(*_SCALAR_NAMES)
 _LENGTH = struct.Struct("<Q")
 SAMPLE_TAG = pickle.dumps(("sample",), protocol=pickle.HIGHEST_PROTOCOL)
 """What a sample's message starts with, before the record's own pickle."""
@@ -44,16 +61,35 @@ class WriterSettings:
 
 
 def encode(sample: SampleRecord) -> bytes:
-    """A record as bytes for the writer process: its rows as their parts, never as rows."""
-    bare = dataclasses.replace(sample, rows=())
-    return pickle.dumps((bare, tuple(row_parts(sample.rows))), protocol=pickle.HIGHEST_PROTOCOL)
+    """A record as bytes for the writer process: its rows as their parts, never as rows.
+
+    Everything goes as plain tuples, enums as their values: pickle rebuilds a record, a
+    ``RowPart`` or an enum member through a Python call each, and on an MNIST-sized MLP (11
+    tensors, 10 histograms) that was 33 of the 45 us this takes the training thread otherwise.
+    """
+    fields = _SCALAR_FIELDS(sample)
+    parts = tuple(
+        (p.layer, p.call_index, p.signal.value, p.tensor_path, p.metrics, p.values, p.reasons)
+        for p in row_parts(sample.rows)
+    )
+    histograms = tuple(
+        (h.layer, h.call_index, h.signal.value, h.tensor_path, h.edges, h.counts, h.nonfinite_count)
+        for h in sample.histograms
+    )
+    content = (fields, sample.kind.value, parts, histograms)
+    return pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def decode(payload: bytes) -> SampleRecord:
     """The record ``encode`` made, with its rows as a ``SampleRows``."""
-    bare, parts = pickle.loads(payload)
-    record: SampleRecord = dataclasses.replace(bare, rows=SampleRows(parts))
-    return record
+    fields, kind, parts, histograms = pickle.loads(payload)
+    rows = SampleRows(RowPart(p[0], p[1], Signal(p[2]), *p[3:]) for p in parts)
+    return SampleRecord(
+        **dict(zip(_SCALAR_NAMES, fields, strict=True)),
+        rows=rows,
+        histograms=tuple(HistogramRecord(h[0], h[1], Signal(h[2]), *h[3:]) for h in histograms),
+        kind=RecordKind(kind),
+    )
 
 
 def message(content: object) -> bytes:
