@@ -527,7 +527,7 @@ def test_a_small_sample_goes_to_the_kernels_queue_from_the_next_sample_on(
         assert [s.histograms for s in sink.samples] == [s.histograms for s in other.samples]
 
 
-class _FailsOnce(nn.Module):
+class _RaisesOnce(nn.Module):
     """Returns its input, after raising in its first call."""
 
     def __init__(self) -> None:
@@ -567,7 +567,7 @@ def test_a_sample_on_the_kernels_queue_holds_none_of_its_outputs(monkeypatch: An
     sinks = []
     for background_reductions in (None, False):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), _FailsOnce())
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), _RaisesOnce())
         sinks.append(RecordingSink())
         held.clear()
         with inject_observer(
