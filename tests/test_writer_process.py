@@ -119,6 +119,10 @@ def test_every_field_of_a_record_crosses_the_pipe_with_its_type() -> None:
     assert type(again.kind) is RecordKind
     assert type(again.histograms[0].signal) is Signal
     assert type(next(iter(again.rows)).signal) is Signal
+    # a record made outside the engine with plain strings crosses as it was
+    odd = RowPart("a", 0, "custom", "output", ("mean",), [1.0], None)  # type: ignore[arg-type]
+    plain = SampleRecord("run", 0, 1, None, 1.0, True, 0.1, SampleRows([odd]), ())
+    assert next(iter(_writer_pipe.decode(_writer_pipe.encode(plain)).rows)).signal == "custom"
 
 
 def test_the_writer_is_a_process_without_torch_and_writes_the_same_run(
