@@ -347,7 +347,9 @@ class OutputProbe:
         most ``LEARN_BYTES`` of outputs (the storage each one keeps); past that an output is
         only weakly referenced, and if it is freed before the forward ends it stays copied and
         is held in a later sample. Only what autograd computed is ever shared, or a view of it:
-        not a view of an input (a numpy array a loop refills), a buffer or a parameter.
+        not a view of an input (a numpy array a loop refills), a buffer or a parameter. A small
+        sample's outputs go to the kernels' queue (``Measurer.queues``), which copies every
+        tensor: none is shared, held or learned from there.
         """
         measurer = self._measurer
         if measurer.queues:  # the kernels' queue copies every tensor: nothing to share or learn

@@ -40,8 +40,8 @@ _SCALAR_NAMES = (
     "note",
     "scope",
 )
-"""The fields of a ``SampleRecord`` that ``encode`` passes as they are (``test_writer_pipe``
-checks that with ``rows``, ``histograms`` and ``kind`` they are all of them)."""
+"""The fields of a ``SampleRecord`` that ``encode`` passes as they are; with ``rows``,
+``histograms`` and ``kind`` they are all of them (``test_writer_process`` checks it)."""
 _SCALAR_FIELDS = operator.attrgetter(*_SCALAR_NAMES)
 _LENGTH = struct.Struct("<Q")
 SAMPLE_TAG = pickle.dumps(("sample",), protocol=pickle.HIGHEST_PROTOCOL)
