@@ -119,15 +119,13 @@ def _stand_ins(kernels: KernelsOnly) -> dict[str, Callable[..., Measurement]]:
     def no_histograms(self: Measurer, tensor: torch.Tensor, **options: Any) -> Measurement:
         return _REAL(self, tensor, **{**options, "with_histogram": False})
 
-    def copies_and_kernels(self: Measurer, tensor: torch.Tensor, **options: Any) -> Measurement:
-        if not tensor.is_floating_point() or tensor.device.type != "cpu" or tensor.numel() == 0:
-            return _unavailable(self)
-        return kernels.measure(self, tensor, options["with_histogram"])
+    def copied(queue: bool) -> Callable[..., Measurement]:
+        def measure(self: Measurer, tensor: torch.Tensor, **options: Any) -> Measurement:
+            if not tensor.is_floating_point() or tensor.device.type != "cpu" or not tensor.numel():
+                return _unavailable(self)
+            return kernels.measure(self, tensor, options["with_histogram"], queue=queue)
 
-    def copies(self: Measurer, tensor: torch.Tensor, **options: Any) -> Measurement:
-        if not tensor.is_floating_point() or tensor.device.type != "cpu" or tensor.numel() == 0:
-            return _unavailable(self)
-        return kernels.measure(self, tensor, options["with_histogram"], queue=False)
+        return measure
 
     def scaffolding(self: Measurer, tensor: torch.Tensor, **options: Any) -> Measurement:
         self._entries += tensor.numel()
@@ -136,8 +134,8 @@ def _stand_ins(kernels: KernelsOnly) -> dict[str, Callable[..., Measurement]]:
     return {
         "observed": _REAL,
         "no histograms": no_histograms,
-        "copies and kernels": copies_and_kernels,
-        "copies": copies,
+        "copies and kernels": copied(queue=True),
+        "copies": copied(queue=False),
         "scaffolding": scaffolding,
     }
 
