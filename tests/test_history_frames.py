@@ -1,4 +1,4 @@
-"""The long table built per sample on the writer thread, and a chunk concatenated from it."""
+"""The long table built a batch of samples at a time on the writer thread, and its chunks."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ from torch import nn
 
 from torchinstruments_core import AlwaysSampler, inject_observer
 from torchinstruments_core._records import RecordKind, SampleRecord, Signal, StatRow
+from torchinstruments_core.run_directory._layout import layout_for
 from torchinstruments_core.run_directory._tables import (
     history_frame,
+    history_frames,
     history_schema,
     sample_history,
 )
+from torchinstruments_core.run_directory._writer import BATCH_ROWS, ChunkWriter
 
 
 def _record(sample_id: int, *, rows: int = 3) -> SampleRecord:
@@ -99,3 +102,59 @@ def test_the_run_directory_history_matches_the_samples(tmp_path: pathlib.Path) -
     columns = ["layer", "call_index", "signal", "tensor_path", "metric"]
     assert history.select(columns).rows() == [row[:5] for row in expected]
     assert history["value"].to_list() == [row[5] for row in expected]
+
+
+def test_a_batchs_frames_are_each_samples_own() -> None:
+    """One frame built for a batch, sliced: each slice equals the frame of its sample alone."""
+    records = [_record(i, rows=i) for i in range(6)]
+    frames = history_frames(records)
+    assert [frame.height for frame in frames] == [len(record.rows) for record in records]
+    for frame, record in zip(frames, records, strict=True):
+        assert frame.equals(sample_history(record))
+
+
+def _taking_writer(tmp_path: pathlib.Path) -> ChunkWriter:
+    """A writer whose thread never starts: ``_take`` is called as its thread would."""
+    layout = layout_for(tmp_path / "run", rank=0, per_rank=False)
+    return ChunkWriter(layout, chunk_rows=10**6, flush_seconds=30.0, queue_size=8)
+
+
+def test_samples_are_built_a_batch_at_a_time_and_let_their_rows_go(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Samples wait with their rows until ``BATCH_ROWS`` rows, then are built and let them go.
+
+    The sample that reaches it has the whole batch built, each sample's rows in its own frame.
+    """
+    writer = _taking_writer(tmp_path)
+    rows = 999  # with the record's gradient row, 1,000 a sample
+    records = [_record(i, rows=rows) for i in range(BATCH_ROWS // 1000 + 1)]
+    for record in records[:-1]:
+        writer._take(record)
+    assert all(held.history is None and held.record.rows for held in writer._buffer)
+    writer._take(records[-1])
+    assert not writer._unbuilt
+    for held, record in zip(writer._buffer, records, strict=True):
+        assert held.record.rows == ()
+        assert held.history is not None
+        assert held.history.equals(sample_history(record))
+        assert held.rows == len(record.rows)
+
+
+def test_a_sample_polars_cannot_take_fails_alone(tmp_path: pathlib.Path) -> None:
+    """A batch with a row Polars cannot take is built sample by sample.
+
+    The others get their frames; that one keeps its rows (its chunk's write then fails and
+    reports it).
+    """
+    writer = _taking_writer(tmp_path)
+    bad = dataclasses.replace(
+        _record(1),
+        rows=(StatRow("layer", 0, Signal.OUTPUT, "output", "mean", "one", None),),  # type: ignore[arg-type]
+    )
+    for record in (_record(0), bad, _record(2)):
+        writer._take(record)
+    writer._build()
+    built = [held.history is not None for held in writer._buffer]
+    assert built == [True, False, True]
+    assert writer._buffer[1].record.rows == bad.rows

@@ -240,28 +240,28 @@ def test_a_disk_still_full_at_exit_leaves_intact_chunks_that_repair_completes(
         assert _result(disk / "run")["samples"]["count"] == 5
 
 
-def test_a_writer_that_dies_while_taking_a_sample_counts_it_lost(
+def test_a_writer_that_dies_while_building_a_batch_counts_its_samples_lost(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A panic (a ``BaseException``) while a sample's table is built loses no count.
+    """A panic (a ``BaseException``) while a batch of samples' tables is built loses no count.
 
-    The sample being taken, the ones queued behind it and those put later are all counted.
+    The samples of the batch, the ones queued behind it and those put later are all counted.
     """
     from torchinstruments_core import StatRow
     from torchinstruments_core._signals import Signal
     from torchinstruments_core.run_directory._layout import layout_for
-    from torchinstruments_core.run_directory._tables import sample_history
+    from torchinstruments_core.run_directory._tables import history_frames
     from torchinstruments_core.run_directory._writer import ChunkWriter
 
     class Panic(BaseException):  # what a Polars panic raises
         pass
 
-    def panicking(sample: SampleRecord) -> Any:
-        if sample.sample_id == 2:
+    def panicking(samples: list[SampleRecord]) -> Any:
+        if any(sample.sample_id == 2 for sample in samples):
             raise Panic("polars panicked")
-        return sample_history(sample)
+        return history_frames(samples)
 
-    monkeypatch.setattr("torchinstruments_core.run_directory._writer.sample_history", panicking)
+    monkeypatch.setattr("torchinstruments_core.run_directory._writer.history_frames", panicking)
     row = StatRow("layer", 0, Signal.OUTPUT, "output", "mean", 1.0, None)
     writer = ChunkWriter(
         layout_for(tmp_path / "run", rank=0, per_rank=False),

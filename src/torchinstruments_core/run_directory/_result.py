@@ -20,7 +20,7 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
-from torchinstruments_core.run_directory._aggregate import Key, MetricAggregate, RunAggregates
+from torchinstruments_core.run_directory._aggregate import Key, RunAggregates
 from torchinstruments_core.run_directory._atomic import atomic_write_text
 from torchinstruments_core.run_directory._signal_docs import signal_entries
 
@@ -51,7 +51,7 @@ def write_result(
         "metrics": list(run.metrics),
         "samples": aggregates.sample_summary() if aggregates else RunAggregates().sample_summary(),
         **_records(aggregates or RunAggregates()),
-        "layers": _layers(run, aggregates.metrics if aggregates else {}),
+        "layers": _layers(run, aggregates.summaries() if aggregates else {}),
     }
     atomic_write_text(path, json.dumps(_finite(document), indent=2, allow_nan=False) + "\n")
 
@@ -60,14 +60,14 @@ def _records(aggregates: RunAggregates) -> dict[str, Any]:
     return {"step_records": aggregates.step_record_summary(), "signals": signal_entries()}
 
 
-def _layers(run: RunInfo, metrics: dict[Key, MetricAggregate]) -> list[dict[str, Any]]:
+def _layers(run: RunInfo, metrics: dict[Key, dict[str, Any]]) -> list[dict[str, Any]]:
     catalog = {layer.name: layer for layer in run.layers}
     order = list(dict.fromkeys(key[0] for key in metrics if key[0] in catalog))
     order += [name for name in catalog if name not in order]
     grouped: dict[str, dict[tuple[int, str, str], dict[str, Any]]] = {name: {} for name in order}
-    for (layer, call, signal, path, metric), aggregate in metrics.items():
+    for (layer, call, signal, path, metric), summary in metrics.items():
         if layer in grouped:
-            grouped[layer].setdefault((call, signal, path), {})[metric] = aggregate.summary()
+            grouped[layer].setdefault((call, signal, path), {})[metric] = summary
     return [_layer(catalog[name], grouped[name]) for name in order]
 
 
