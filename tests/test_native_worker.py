@@ -319,7 +319,29 @@ def test_a_worker_let_go_with_jobs_queued_closes_its_queue_first() -> None:
     gc.collect()
     assert gone() is None
     assert _native.queue_finished(queue) == 10  # closed, every job run, without a wait here
-    _native_worker_module._close_queue(queue, -1)  # another process's: left alone, no raise
+    closed: list[int] = []
+    _native_worker_module._close_queue(lambda: closed.append(1), -1)  # another process's
+    assert closed == []  # left alone
+
+
+def test_a_queue_let_go_after_the_kernels_are_switched_off_still_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker collected once ``KERNELS`` is ``None`` closes its queue all the same.
+
+    A test of the path without the kernels switches them off; the finalizer closes the queue
+    with the kernels that made it instead of failing.
+    """
+    worker = NativeWorker()
+    seen: list[int] = []
+    for _n in range(4):
+        worker.submit(4 * 200_000, lambda: _job(torch.randn(200_000), seen))
+    queue = worker._queue
+    monkeypatch.setattr(_native, "KERNELS", None)
+    del worker
+    gc.collect()
+    monkeypatch.undo()
+    assert _native.queue_finished(queue) == 4
 
 
 def _queue_measurer(**options: Any) -> Measurer:

@@ -178,7 +178,8 @@ class NativeWorker:
                 if self._queue is None:
                     self._queue = queue = _native.new_queue(self._linger_ns)
                     # closed (its jobs run) before the jobs' buffers can go, when this goes
-                    weakref.finalize(self, _close_queue, queue, self._pid)
+                    closer = _native.queue_closer(queue)
+                    weakref.finalize(self, _close_queue, closer, self._pid)
                 ticket = job.start(self._queue)
             except BaseException:
                 self._held -= nbytes
@@ -256,7 +257,10 @@ class NativeWorker:
             self._collecting = False
 
 
-def _close_queue(queue: object, pid: int) -> None:
-    """``queue_close`` in the process that made ``queue``; a child made by ``fork`` leaves it."""
+def _close_queue(close: Callable[[], None], pid: int) -> None:
+    """``close`` a queue (``_native.queue_closer``) in the process that made it.
+
+    A child made by ``fork`` leaves it.
+    """
     if _background._current_pid == pid:
-        _native.queue_close(queue)
+        close()

@@ -19,6 +19,7 @@ copy.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -28,6 +29,7 @@ from torchinstruments_core.reducers import _compiled
 from torchinstruments_core.reducers._compiled import ENVIRONMENT_SWITCH as ENVIRONMENT_SWITCH
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import ModuleType
 
     from numpy.typing import NDArray
@@ -336,6 +338,16 @@ def queue_close(queue: object) -> None:
     """Run what ``queue`` holds, then stop its thread; later jobs run in the caller."""
     assert KERNELS is not None
     KERNELS.queue_close(queue)
+
+
+def queue_closer(queue: object) -> Callable[[], None]:
+    """``queue_close`` of ``queue``, bound to the kernels that made it, to call later.
+
+    A finalizer that runs once the kernels are switched off (``KERNELS`` set to ``None``, as a
+    test comparing the two paths does) still closes a queue they made.
+    """
+    assert KERNELS is not None
+    return functools.partial(KERNELS.queue_close, queue)
 
 
 def histogram(
