@@ -259,7 +259,7 @@ class RunAggregates:
         self._layouts: dict[int, tuple[list[pl.Series], np.ndarray, bool]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled without the last table's keys (the writer process sends the aggregates)."""
+        """Pickled without the remembered key columns (the writer process sends the aggregates)."""
         return self.__dict__ | {"_layouts": {}}
 
     def add(self, sample: SampleRecord, history: pl.DataFrame | None = None) -> None:
