@@ -81,7 +81,6 @@ class MetricColumns:
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = np.random.default_rng(seed)
-        self.count = np.zeros(0, np.int64)
         self.unavailable = np.zeros(0, np.int64)
         self.n = np.zeros(0, np.int64)
         self.mean = np.zeros(0)
@@ -95,11 +94,11 @@ class MetricColumns:
 
     def grow(self, metrics: int) -> None:
         """Make room for ``metrics`` metrics (rows), new ones empty."""
-        size = len(self.count)
+        size = len(self.n)
         if metrics <= size:
             return
         size = max(metrics, 2 * size, 16)
-        for name in ("count", "unavailable", "n", "mean", "m2"):
+        for name in ("unavailable", "n", "mean", "m2"):
             setattr(self, name, _longer(getattr(self, name), size, 0))
         self.low = _longer(self.low, size, math.inf)
         self.high = _longer(self.high, size, -math.inf)
@@ -118,7 +117,6 @@ class MetricColumns:
         ``available[k]`` false: the value is unavailable, for ``reasons[k]`` (the reasons are
         read only there; ``None`` counts as ``"unknown"``).
         """
-        self.count[ids] += 1
         if not available.all():
             missing = np.flatnonzero(~available)
             self.unavailable[ids[missing]] += 1
@@ -155,7 +153,7 @@ class MetricColumns:
         """The ``result.json`` entry of metric ``index``."""
         n = int(self.n[index])
         entry: dict[str, Any] = {
-            "count": int(self.count[index]),
+            "count": n + int(self.unavailable[index]),
             "unavailable": int(self.unavailable[index]),
             "unavailable_reasons": dict(sorted(self.reasons.get(index, {}).items())),
         }
@@ -182,7 +180,7 @@ class MetricColumns:
         if values <= width:
             return
         width = min(max(values, 2 * width, 16), RESERVOIR)
-        rows = len(self.count)
+        rows = len(self.n)
         self.reservoir = _wider(self.reservoir, rows, width)
         self.first = _wider(self.first, rows, min(width, WINDOW))
         self.recent = _wider(self.recent, rows, min(width, WINDOW))
