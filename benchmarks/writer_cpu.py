@@ -8,8 +8,10 @@ the cores with training and the kernels' queue: each workload is observed with t
 profile and a run directory, sampled every ``--every`` steps; after a warm-up the writer
 process's user and system time (``/proc/<pid>/stat``, so Linux only) is read before and after
 ``--steps`` steps, and once more after it had a second to finish what it was given. Reported:
-its processor time a sample and a row, and the training step's mean time.
-``writer_cost.py`` measures instead what the writer costs the training thread's sampled step.
+its processor time a sample and a row, and the training step's mean time beside that of a
+plain copy and of a copy observed alike with the ``RecordingSink`` (which writes nothing), each
+over the same number of steps in the same process. ``writer_cost.py`` measures instead what the
+writer costs the training thread's sampled step, one sample at a time.
 """
 
 from __future__ import annotations
@@ -47,8 +49,27 @@ def _rows_a_sample(workload: str, device: torch.device) -> int:
     return len(recording.samples[-1].rows)
 
 
+def _mean_step(workload: str, steps: int, every: int, *, recording: bool) -> float:
+    """The mean step of a plain copy, or of one observed with the recording sink, in ms."""
+    copy = build(workload, torch.device("cpu"))
+    observer = inject_observer(copy.model, sink=RecordingSink()) if recording else None
+    began = 0.0
+    for step in range(max(50, 2 * every) + steps):
+        if step == max(50, 2 * every):
+            began = time.perf_counter()
+        if observer is not None:
+            observer.begin_step(step, sample=step % every == 0)
+        copy.step()
+        if observer is not None:
+            observer.end_step()
+    elapsed = time.perf_counter() - began
+    if observer is not None:
+        observer.remove()
+    return elapsed / steps * 1e3
+
+
 def measure(workload: str, steps: int, every: int) -> dict[str, float]:
-    """The writer process's processor time a sample and a row, and the mean step."""
+    """The writer process's processor time a sample and a row, and the mean steps."""
     device = torch.device("cpu")
     rows = _rows_a_sample(workload, device)
     copy = build(workload, device)
@@ -78,6 +99,8 @@ def measure(workload: str, steps: int, every: int) -> dict[str, float]:
         "sample_ms": used / samples * 1e3,
         "row_us": used / samples / rows * 1e6,
         "step_ms": elapsed / steps * 1e3,
+        "recording_ms": _mean_step(workload, steps, every, recording=True),
+        "plain_ms": _mean_step(workload, steps, every, recording=False),
     }
 
 
@@ -95,14 +118,17 @@ def main() -> None:
         parser.error(f"unknown workloads {unknown}; known: {sorted(WORKLOADS)}")
     torch.set_num_threads(args.threads)
     print(f"every {args.every} step(s), {args.steps} steps, {args.threads} thread(s)\n")
-    print("| workload | rows a sample | writer CPU a sample | a row | training step |")
-    print("|---|---|---|---|---|")
+    print(
+        "| workload | rows a sample | writer CPU a sample | a row | step, run directory | "
+        "step, recording sink | plain step |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name in args.workload:
         print(f"... {name}", file=sys.stderr, flush=True)
         got = measure(name, args.steps, args.every)
         print(
             f"| {name} | {got['rows']:.0f} | {got['sample_ms']:.2f} ms | {got['row_us']:.2f} µs | "
-            f"{got['step_ms']:.2f} ms |",
+            f"{got['step_ms']:.2f} ms | {got['recording_ms']:.2f} ms | {got['plain_ms']:.2f} ms |",
             flush=True,
         )
 
