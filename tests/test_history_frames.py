@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import pathlib
 
 import polars as pl
@@ -158,3 +159,54 @@ def test_a_sample_polars_cannot_take_fails_alone(tmp_path: pathlib.Path) -> None
     built = [held.history is not None for held in writer._buffer]
     assert built == [True, False, True]
     assert writer._buffer[1].record.rows == bad.rows
+
+
+def test_a_run_across_many_batches_holds_every_row_and_counts_it(tmp_path: pathlib.Path) -> None:
+    """Samples enough for several ``BATCH_ROWS`` batches, through the writer process.
+
+    history.parquet holds them row for row as the recording sink got them, and result.json
+    counts every value of every metric.
+    """
+    import json
+
+    from torchinstruments_core.testing import RecordingSink
+
+    def tanh_mlp() -> nn.Sequential:
+        widths = [16, 32, 32, 32, 8]
+        layers: list[nn.Module] = []
+        for width_in, width_out in itertools.pairwise(widths):
+            layers += [nn.Linear(width_in, width_out), nn.Tanh()]
+        return nn.Sequential(*layers)
+
+    torch.manual_seed(0)
+    model, twin = tanh_mlp(), tanh_mlp()
+    twin.load_state_dict(model.state_dict())
+    recording = RecordingSink()
+    observers = [
+        inject_observer(model, sampler=AlwaysSampler(), output_dir=tmp_path / "run"),
+        inject_observer(twin, sampler=AlwaysSampler(), sink=recording, run_id="x"),
+    ]
+    for _ in range(90):
+        batch = torch.randn(4, 16)
+        model(batch).square().mean().backward()
+        twin(batch).square().mean().backward()
+    for observer in observers:
+        observer.remove()
+    rows = sum(len(sample.rows) for sample in recording.samples)
+    assert rows > 3 * BATCH_ROWS
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet").sort(
+        "sample_id", maintain_order=True
+    )
+    expected = [dataclasses.astuple(row) for sample in recording.samples for row in sample.rows]
+    columns = ["layer", "call_index", "signal", "tensor_path", "metric"]
+    assert history.select(columns).rows() == [row[:5] for row in expected]
+    assert history["value"].to_list() == [row[5] for row in expected]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    counts = [
+        entry["count"]
+        for layer in result["layers"]
+        for measurement in layer["measurements"]
+        for entry in measurement["metrics"].values()
+    ]
+    assert len(counts) > 100
+    assert set(counts) == {90}
