@@ -146,7 +146,7 @@ class FloorHooks:
             values = kept.reshape(-1)  # a contiguous copy: a view of its buffer
             call = _call(values.numel(), DEFAULT_SAMPLE_SIZE, BINS)
             seed = SEED if call.drawn else None
-            queued = _native.submit_profile(self._queue, values, seed, call.size, call.plan, BINS)
+            queued = _native.submit_profile(self._queue, values, seed, call.shape)
             self.jobs.append(queued)
 
     def _submit_lean(self, values: torch.Tensor, site: tuple[int, int]) -> None:
@@ -158,16 +158,13 @@ class FloorHooks:
         if position < len(self._outputs) and self._outputs[position][0] == numel:
             _, numbers, out = self._outputs[position]
         else:
-            _, _, numbers, out = _native._profile_buffers(
-                values.dtype, call.size, call.plan, BINS, status=True
-            )
+            numbers, out = call.shape.buffers(values.dtype, status=True)
             kept = (numel, numbers, out)
             if position < len(self._outputs):
                 self._outputs[position] = kept
             else:
                 self._outputs.append(kept)
-        plan = call.plan
-        ranks, table = (plan.ranks, plan.table) if plan else (_native._NO_RANKS, _native._NO_TABLE)
+        shape = call.shape
         ticket = _native.KERNELS.queue_submit(
             self._queue,
             SEED if call.drawn else None,
@@ -175,10 +172,10 @@ class FloorHooks:
             numel,
             0,  # float32
             0,
-            call.size,
-            ranks,
-            table,
-            BINS,
+            shape.size,
+            shape.ranks,
+            shape.table,
+            shape.bins,
             numbers,
             out,
         )
@@ -268,7 +265,7 @@ class FloorHooks:
                 index = positions.get(numel)
                 if index is None:
                     index = positions[numel] = _native.draw_positions(SEED, numel, call.size)
-            _native.profile(values, index, call.size, call.plan, call.bins)
+            _native.profile(values, index, call.shape)
 
 
 def measure(name: str, rounds: int) -> dict[str, list[tuple[float, int]]]:

@@ -51,7 +51,8 @@ def _thread_cpu_per_job(jobs: int = 100) -> float | None:
     values = torch.randn(1000)
 
     def run_one() -> None:
-        queued = _native.submit_profile(queue, values, None, 0, None, 0)  # its buffers, held
+        shape = _native.profile_shape(0, None, 0)  # no quartiles, no histogram
+        queued = _native.submit_profile(queue, values, None, shape)  # its buffers, held
         _native.queue_wait(queue, queued.ticket or 0)
 
     run_one()  # starts the thread

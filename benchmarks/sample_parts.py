@@ -93,7 +93,7 @@ class KernelsOnly:
             buffer.numel(), DEFAULT_SAMPLE_SIZE, measurer.histogram.bins if histogram else 0
         )
         seed = 1234 if call.drawn else None
-        queued = _native.submit_profile(self._queue, buffer, seed, call.size, call.plan, call.bins)
+        queued = _native.submit_profile(self._queue, buffer, seed, call.shape)
         self._held.append(queued)
         return _unavailable(measurer)
 

@@ -36,7 +36,7 @@ from torchinstruments_core import _background as background
 from torchinstruments_core._background import ReductionWorker
 from torchinstruments_core._failures import FailureReport
 from torchinstruments_core._measure import Measurer
-from torchinstruments_core._native_worker import NativeWorker
+from torchinstruments_core._native_worker import NativeWorker, ProfileJob
 from torchinstruments_core._probe import OutputProbe
 from torchinstruments_core._records import Signal
 from torchinstruments_core._sample import Sample, Site
@@ -460,7 +460,8 @@ def _submits_per_step(
 ) -> tuple[list[int], RecordingSink, list[int]]:
     """Jobs handed to the worker in each of three sampled steps, a core free (``None``).
 
-    Also those handed to the kernels' queue (``NativeWorker``), in the third list.
+    Also those handed to the kernels' queue (``NativeWorker``, each ``ProfileJob`` started), in
+    the third list.
     """
     import torchinstruments_core._measure as measure_module
 
@@ -468,18 +469,18 @@ def _submits_per_step(
     counts: list[int] = []
     native: list[int] = []
     submit = ReductionWorker.submit
-    native_submit = NativeWorker.submit
+    start = ProfileJob.start
 
     def counted(self: ReductionWorker, *args: Any, **kwargs: Any) -> int | None:
         counts[-1] += 1
         return submit(self, *args, **kwargs)
 
-    def counted_native(self: NativeWorker, *args: Any, **kwargs: Any) -> int | None:
-        native[-1] += 1
-        return native_submit(self, *args, **kwargs)
+    def counted_native(job: ProfileJob, queue: object | None) -> int | None:
+        native[-1] += 1  # every job handed to the kernels' queue starts once
+        return start(job, queue)
 
     monkeypatch.setattr(ReductionWorker, "submit", counted)
-    monkeypatch.setattr(NativeWorker, "submit", counted_native)
+    monkeypatch.setattr(ProfileJob, "start", counted_native)
     sink = RecordingSink()
     with inject_observer(model, sampler=AlwaysSampler(), sink=sink, **options) as observer:
         for step in range(3):

@@ -489,7 +489,7 @@ def test_the_edges_found_with_the_counts_are_the_searched_ones(
         for bins in (1, 2, 7, 64, 1000):
             size = tensor.numel() if quartiles else 0
             plan = quantile_plan(size, DEFAULT_QUANTILES) if quartiles else None
-            profiled = _native.profile(tensor, None, size, plan, bins)
+            profiled = _native.profile(tensor, None, _native.profile_shape(size, plan, bins))
             assert profiled.status in (_native.STATUS_OK, _native.STATUS_MOMENTS_ON_HOST)
             values = profiled.values.tolist()
             at = _native.MOMENTS + (len(plan.levels) if plan is not None else 0)

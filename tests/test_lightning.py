@@ -20,7 +20,7 @@ from lightning_helpers import Regressor, loader, telemetry_dir, trainer
 from torchinstruments_core import ConfigurationError, ObservationWarning
 from torchinstruments_core._background import ReductionWorker
 from torchinstruments_core._measure import Measurer
-from torchinstruments_core._native_worker import NativeWorker
+from torchinstruments_core._native_worker import NativeWorker, ProfileJob
 from torchinstruments_lightning import TelemetryMonitor
 
 SAMPLED = [0, 3, 6, 9]
@@ -634,15 +634,15 @@ def test_a_small_model_goes_to_the_kernels_queue_after_its_first_sample(
     per_sample: list[int] = []
     queued: list[int] = []
     submit, new_sample = ReductionWorker.submit, Measurer.new_sample
-    queue_submit = NativeWorker.submit
+    start = ProfileJob.start
 
     def counted(self: ReductionWorker, nbytes: int, make: Any) -> int | None:
         per_sample[-1] += 1
         return submit(self, nbytes, make)
 
-    def counted_queue(self: NativeWorker, nbytes: int, make: Any) -> int | None:
-        queued[-1] += 1
-        return queue_submit(self, nbytes, make)
+    def counted_queue(job: ProfileJob, queue: object | None) -> int | None:
+        queued[-1] += 1  # every job handed to the kernels' queue starts once
+        return start(job, queue)
 
     def starting(self: Measurer, *, forward: bool = False) -> None:
         if forward:
@@ -651,7 +651,7 @@ def test_a_small_model_goes_to_the_kernels_queue_after_its_first_sample(
         new_sample(self, forward=forward)
 
     monkeypatch.setattr(ReductionWorker, "submit", counted)
-    monkeypatch.setattr(NativeWorker, "submit", counted_queue)
+    monkeypatch.setattr(ProfileJob, "start", counted_queue)
     monkeypatch.setattr(Measurer, "new_sample", starting)
     found = {}
     for background in (None, False):

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from helpers import floats
-from torchinstruments_core import AlwaysSampler, inject_observer
+from torchinstruments_core import AlwaysSampler, _background, inject_observer
 from torchinstruments_core import _native_worker as _native_worker_module
 from torchinstruments_core._measure import Measurer
 from torchinstruments_core._native_worker import NativeWorker, ProfileJob
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(not _native.QUEUE, reason="the kernels have no q
 
 def _queued(queue: object, values: torch.Tensor, seed: int | None, bins: int) -> _native.Queued:
     call = _call(values.numel(), 8192 if seed is not None else 0, bins)
-    return _native.submit_profile(queue, values, seed, call.size, call.plan, call.bins)
+    return _native.submit_profile(queue, values, seed, call.shape)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -59,7 +59,7 @@ def test_a_queued_profile_is_profile_bit_for_bit(dtype: torch.dtype, numel: int,
         _native.queue_wait(queue, queued.ticket)
         call = _call(numel, 8192 if seed is not None else 0, bins)
         index = None if seed is None else _native.draw_positions(seed, numel, call.size)
-        expected = _native.profile(values, index, call.size, call.plan, bins)
+        expected = _native.profile(values, index, call.shape)
         got = queued.profiled()
         assert got.status == expected.status
         # one entry has no spread: its moments are left to the host, unwritten on both sides
@@ -379,20 +379,27 @@ def _odd_tensors() -> list[torch.Tensor]:
     ]
 
 
+def _count_jobs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The entries of every job started on a queue from now on (``ProfileJob.start``)."""
+    started: list[int] = []
+    start = ProfileJob.start
+
+    def counted(job: ProfileJob, queue: object | None) -> int | None:
+        ticket = start(job, queue)
+        started.append(job._call.numel)
+        return ticket
+
+    monkeypatch.setattr(ProfileJob, "start", counted)
+    return started
+
+
 def test_a_measurement_by_the_queue_is_the_hooks_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """Values, histograms and reasons equal those reduced in the hooks, tensor by tensor.
 
     The odd ones the kernels do not finish included: the reducers run on what the job read.
     """
     queued, hooks = _queue_measurer(), _hooks_measurer()
-    submitted: list[int] = []
-    submit = NativeWorker.submit
-
-    def counted(self: NativeWorker, nbytes: int, make: Any) -> int | None:
-        submitted.append(nbytes)
-        return submit(self, nbytes, make)
-
-    monkeypatch.setattr(NativeWorker, "submit", counted)
+    submitted = _count_jobs(monkeypatch)
     tensors = _odd_tensors()
     one = [queued.measure(t, with_histogram=True) for t in tensors]
     other = [hooks.measure(t, with_histogram=True) for t in tensors]
@@ -405,6 +412,8 @@ def test_a_measurement_by_the_queue_is_the_hooks_one(monkeypatch: pytest.MonkeyP
         expected = [floats(r.values) for r in b.results]
         assert str(got) == str(expected)  # NaN where NaN: the same values, compared as text
         assert floats(a.histogram) == floats(b.histogram)
+        assert str(a.histogram_edges) == str(b.histogram_edges)
+        assert (a.histogram_bins, a.histogram_float64) == (b.histogram_bins, b.histogram_float64)
         assert a.n_finite is not None
         assert b.n_finite is not None
         assert float(a.n_finite) == float(b.n_finite)
@@ -430,6 +439,7 @@ def test_a_job_out_of_memory_is_reduced_by_the_reducers_with_the_hooks_values(
         return _native.Profiled(_native.STATUS_NO_MEMORY, numbers, np.full_like(queued.values, 7))
 
     monkeypatch.setattr(_native.Queued, "profiled", out_of_memory)
+    monkeypatch.setattr(_native.Queued, "status", _native.STATUS_NO_MEMORY)
     queued, hooks = _queue_measurer(), _hooks_measurer()
     generator = torch.Generator().manual_seed(3)
     tensors = [
@@ -509,15 +519,8 @@ def test_a_small_model_sampled_on_the_queue_gives_the_rows_of_the_hooks() -> Non
                 observer.end_step()
         return sink
 
-    submitted: list[int] = []
-    submit = NativeWorker.submit
-
-    def counted(self: NativeWorker, nbytes: int, make: Any) -> int | None:
-        submitted.append(nbytes)
-        return submit(self, nbytes, make)
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(NativeWorker, "submit", counted)
+        submitted = _count_jobs(patch)
         queued = run(True)
     assert len(submitted) > 0  # from the second sample on, every tensor: a small model
     hooks = run(False)
@@ -540,6 +543,109 @@ def test_a_job_that_fails_to_be_made_leaves_nothing_held() -> None:
     assert worker.submit(4000, lambda: _job(torch.randn(1000), seen)) == 1
     worker.close()
     assert seen == [_native.STATUS_OK]
+
+
+def test_submit_copy_queues_a_flat_copy_taken_at_the_hand_over() -> None:
+    """``submit_copy`` reads what ``plain`` held when it was handed over, strided or narrower.
+
+    The first job goes through ``submit`` (it makes the queue), the later ones are copied and
+    queued in the one call, into the buffers of jobs read back before; every job gives what
+    ``profile`` gives for the tensor as it was, though the sources change once handed over.
+    """
+    worker = NativeWorker()
+    generator = torch.Generator().manual_seed(4)
+    sources = [
+        torch.randn(64, 10, generator=generator),  # contiguous: copied flat
+        torch.randn(10, 64, generator=generator).t(),  # strided
+        torch.randn(640, generator=generator).to(torch.bfloat16),  # copied into float32
+        torch.randn(640, dtype=torch.float64, generator=generator),
+    ]
+    made_by_submit: list[int] = []
+    submit = NativeWorker.submit
+
+    def counted(self: NativeWorker, nbytes: int, make: Any) -> int | None:
+        made_by_submit.append(nbytes)
+        return submit(self, nbytes, make)
+
+    seen: list[_native.Profiled] = []
+    expected: list[_native.Profiled] = []
+    buffers = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(NativeWorker, "submit", counted)
+        for _round in range(2):
+            for source in sources:
+                dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
+                held = source.to(dtype).reshape(-1).clone()  # its entries in row-major order
+                expected.append(_native.profile(held, None, _call(640, 0, 0).shape))
+                job = ProfileJob(None, None, _call(640, 0, 0), seen.append)
+                assert worker.submit_copy(source, dtype, job) is not None
+                buffers.append(job.buffer)
+                source.mul_(-3.0)  # the model's next ops: only the copy keeps the values
+            worker.wait()
+    assert made_by_submit == [4 * 640]  # only the first, which made the queue
+    assert worker._held == 0
+    assert any(b is a for a in buffers[:4] for b in buffers[4:])  # spares handed out again
+    for got, want in zip(seen, expected, strict=True):
+        assert got.status == want.status == _native.STATUS_OK
+        assert got.values.tolist() == want.values.tolist()
+    worker.close()
+
+
+def test_submit_copy_after_close_or_without_room_runs_through_submit() -> None:
+    """After ``close`` the job runs in the caller; a copy past the budget waits for room first."""
+    worker = NativeWorker(floor=0)
+    seen: list[_native.Profiled] = []
+    first = ProfileJob(None, None, _call(1000, 0, 0), seen.append)
+    assert worker.submit_copy(torch.randn(1000), torch.float32, first) == 1
+    larger = ProfileJob(None, None, _call(4000, 0, 0), seen.append)
+    assert worker.submit_copy(torch.randn(4000), torch.float32, larger) == 2
+    assert len(seen) == 1  # the first read back to make room: the budget was its 4,000 bytes
+    worker.close()
+    late = ProfileJob(None, None, _call(1000, 0, 0), seen.append)
+    assert worker.submit_copy(torch.randn(1000), torch.float32, late) is None
+    assert [p.status for p in seen] == [_native.STATUS_OK] * 3
+    assert worker._held == 0
+
+
+def test_a_copy_that_fails_in_submit_copy_leaves_nothing_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy that raises (out of memory) propagates from either path, and nothing is held.
+
+    A measurer's small sample then has the error as its reason, and the next tensor is queued.
+    """
+    worker = NativeWorker()
+    seen: list[_native.Profiled] = []
+    copy = _background.flat_copy
+
+    def failing(plain: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        raise MemoryError("no room for the copy")
+
+    monkeypatch.setattr(_background, "flat_copy", failing)
+    for _path in ("submit", "in one call"):
+        job = ProfileJob(None, None, _call(1000, 0, 0), seen.append)
+        with pytest.raises(MemoryError):
+            worker.submit_copy(torch.randn(1000), torch.float32, job)
+        assert worker._held == 0
+        assert not worker._pending
+        monkeypatch.setattr(_background, "flat_copy", copy)
+        after = ProfileJob(None, None, _call(10, 0, 0), seen.append)
+        assert worker.submit_copy(torch.randn(10), torch.float32, after) is not None
+        worker.wait()
+        monkeypatch.setattr(_background, "flat_copy", failing)
+    worker.close()
+    assert [p.status for p in seen] == [_native.STATUS_OK] * 2  # the two that were copied
+    measurer = _queue_measurer()
+    measurer.measure(torch.randn(100), with_histogram=True).settle()  # makes the queue
+    failed = measurer.measure(torch.randn(100), with_histogram=True)
+    assert failed.reason is not None
+    assert failed.reason.startswith("reducer_error")
+    assert isinstance(failed.errors[0], MemoryError)
+    monkeypatch.setattr(_background, "flat_copy", copy)
+    measured = measurer.measure(torch.randn(100), with_histogram=True)
+    assert measured.settle() is None
+    assert measured.reason is None
+    measurer.close()
 
 
 def test_a_job_counts_as_done_only_once_its_values_are_read_back() -> None:

@@ -18,9 +18,10 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from torchinstruments_core._background import ReductionWorker, free_core
+from torchinstruments_core._background import ReductionWorker, flat_copy, free_core
 from torchinstruments_core._measurement import (
     Measurement,
     ReducerResult,
@@ -43,13 +44,18 @@ from torchinstruments_core.reducers import (
     _native,
     working_dtype,
 )
-from torchinstruments_core.reducers._fused import Fused, FusedReductions
+from torchinstruments_core.reducers._fused import FusedReductions, _Call
 from torchinstruments_core.reducers.base import cpu_seed, seeded_cache
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from torchinstruments_core.reducers.base import IndexCache
+
+_CPU = torch.device("cpu")
+_QUEUED_DTYPES = frozenset((torch.float32, torch.float64))
+"""The dtypes ``Measurer.measure`` hands to the kernels' queue without ``plain_tensor``: those
+the kernels read (``_native.usable``), in which a tensor is its own working-dtype values."""
 
 SMALL_SAMPLE_ENTRIES = 2**19
 """With ``background=None``, what is measured from one forward sample's start to the next's
@@ -102,6 +108,7 @@ class Measurer:
         self.reducers = tuple(reducers)
         self.histogram = histogram
         self.metrics = tuple(m for r in self.reducers for m in r.metrics)
+        self._reducer_metrics = tuple(r.metrics for r in self.reducers)
         # the built-in reducers' CPU work in one call of the compiled kernels (same values)
         self._fused = FusedReductions.plan(self.reducers, histogram)
         self._seed = seed
@@ -218,6 +225,22 @@ class Measurer:
         called, on the thread that checked. Only a tensor whose changes would show in its
         version is shared (``shareable``).
         """
+        if (  # a small sample's plain float CPU tensor, nearly all of one: checked here, inline
+            scale is None
+            and self._small
+            and type(tensor) is torch.Tensor
+            and tensor.dtype in _QUEUED_DTYPES
+            and tensor.is_cpu
+            and tensor.layout == torch.strided
+            and not tensor.is_nested
+            and self._native is not None
+            and (tensor.requires_grad or not tensor._is_zerotensor())
+        ):
+            numel = tensor.numel()
+            if numel and self._in_background(tensor, None):
+                self._entries += numel
+                detached = tensor.detach() if tensor.requires_grad else tensor
+                return self._queue(detached, numel, tensor.dtype, with_histogram)
         self._let_go()
         shared = shared and not self.queues and shareable(tensor, groups=self.process_groups())
         try:
@@ -228,7 +251,11 @@ class Measurer:
             return Measurement(reason=plain, metrics=self.metrics)
         on_cpu = plain.is_cpu
         if on_cpu:
-            self._entries += plain.numel()
+            numel = plain.numel()
+            self._entries += numel
+            if scale is None and self.queues and self._in_background(plain, scale):
+                dtype = working_dtype(plain.dtype)  # a narrower one's, or a subclass's
+                return self._queue(plain, numel, dtype, with_histogram)
         measurement = Measurement(None, self.metrics, changed=changed)
         if not self._in_background(plain, scale):
             if on_cpu:
@@ -239,6 +266,30 @@ class Measurer:
         return self._hand_over(
             plain, measurement, with_histogram, owned=scale is not None, shared=shared
         )
+
+    def _queue(
+        self, plain: torch.Tensor, numel: int, dtype: torch.dtype, with_histogram: bool
+    ) -> Measurement:
+        """A small sample's CPU tensor copied (in ``dtype``) and its profile queued.
+
+        What nearly every tensor of a small sample takes: one ``NativeWorker.submit_copy``,
+        its job (``_QueuedFill``) filling the measurement in when it is read back. A copy
+        that fails (out of memory) gives a measurement with its reason instead.
+        """
+        native, fusion = self._native, self._fused
+        assert native is not None, "only a sample that queues gets here"
+        assert fusion is not None, "the queue is there only for the built-in reducers"
+        call = fusion.call(numel, with_histogram)
+        cache = self._index_cache  # this sample's, whenever the job runs
+        seed = cpu_seed(cache, self._generator(_CPU), numel, call.size) if call.drawn else None
+        measurement = Measurement(None, self.metrics)
+        job = _QueuedFill(self, measurement, None, seed, call, cache, plain.dtype, with_histogram)
+        try:
+            measurement.ticket = native.submit_copy(plain, dtype, job)
+        except Exception as error:  # the copy failed (out of memory): no job, a reason
+            return Measurement(reducer_error_reason(error), self.metrics, errors=[error])
+        measurement.worker = native
+        return measurement
 
     def _hand_over(
         self,
@@ -348,7 +399,7 @@ class Measurer:
                 measurement.shared = (plain, version(plain))
                 aliased = copy
         else:
-            copy = aliased = buffer = _flat_copy(plain, self._worker.buffer(plain.numel(), dtype))
+            copy = aliased = buffer = flat_copy(plain, self._worker.buffer(plain.numel(), dtype))
         cache, source_dtype = self._index_cache, plain.dtype  # this sample's, whenever it runs
 
         def job() -> None:
@@ -417,19 +468,35 @@ class Measurer:
             return False
         if fused is None:
             return False
-        self._fused_into(measurement, fused, prepared.numel)
+        self._fused_into(
+            measurement, prepared.numel, fused.results, fused.histogram, fused.edges, fused.float64
+        )
         return True
 
-    def _fused_into(self, measurement: Measurement, fused: Fused, numel: int) -> None:
-        """Fill ``measurement`` with the kernels' values of a ``numel``-entry tensor."""
+    def _fused_into(
+        self,
+        measurement: Measurement,
+        numel: int,
+        results: list[list[float]],
+        histogram: list[float] | None,
+        edges: list[float] | None,
+        float64: bool,
+    ) -> None:
+        """Fill ``measurement`` with the kernels' values of a ``numel``-entry tensor.
+
+        Each reducer's values, the histogram, its edges, and whether its working dtype is
+        float64 (a ``Fused``, or ``FusedReductions.values`` and the dtype).
+        """
         measurement.n_finite = float(numel)  # every entry is finite where the kernels finish
-        for reducer, values in zip(self.reducers, fused.results, strict=True):
-            measurement.results.append(ReducerResult(reducer.metrics, values))
-        if fused.histogram is not None:
-            measurement.histogram = fused.histogram
+        measurement.results = [
+            ReducerResult(metrics, values)
+            for metrics, values in zip(self._reducer_metrics, results, strict=True)
+        ]
+        if histogram is not None:
+            measurement.histogram = histogram
             measurement.histogram_bins = self.histogram.bins
-            measurement.histogram_float64 = fused.float64
-            measurement.histogram_edges = fused.edges
+            measurement.histogram_float64 = float64
+            measurement.histogram_edges = edges
 
     def _native_job(
         self,
@@ -438,7 +505,7 @@ class Measurer:
         with_histogram: bool,
         *,
         owned: bool,
-    ) -> ProfileJob:
+    ) -> _QueuedFill:
         """The kernels' queue's job for ``plain``, made in the hook (see ``_job``).
 
         The job reads a flat copy in the working dtype, made here, or ``plain`` itself where it
@@ -447,9 +514,7 @@ class Measurer:
         ``set_`` or a storage resize of the tensor would free it under the job, where the
         Python worker would only read changed values and drop them (these samples are small,
         and a copy of 16 Ki float32 entries takes about 4 us). Once the job has run, its values
-        fill ``measurement``, on the thread that reads them back; where the kernels gave none,
-        the reducers run there on what the job read, with the same subsample positions
-        (``cpu_seed``).
+        fill ``measurement`` (``_QueuedFill``), on the thread that reads them back.
         """
         assert self._fused is not None
         assert self._native is not None
@@ -459,30 +524,13 @@ class Measurer:
         if owned and plain.dtype == dtype and plain.is_contiguous() and _native.usable(plain):
             values = plain
         else:
-            values = buffer = _flat_copy(plain, self._native.buffer(numel, dtype))
-        fusion = self._fused
-        call = fusion.call(numel, with_histogram)
-        cache, source_dtype = self._index_cache, plain.dtype  # this sample's, whenever it runs
-        generator = self._generator(values.device)
-        seed = cpu_seed(cache, generator, numel, call.size) if call.drawn else None
-
-        def prepared() -> PreparedTensor:
-            return PreparedTensor(values, generator, cache)
-
-        def finish(profiled: _native.Profiled) -> None:
-            try:
-                fused = fusion.finish(profiled, call, prepared)
-            except Exception:  # the reducers run instead, and report what fails
-                fused = None
-            if fused is not None:
-                self._fused_into(measurement, fused, numel)
-                return
-            self._fill(values, measurement, with_histogram, cache, source_dtype, fused=False)
-            unalias(measurement, values)  # nothing the reducers give may keep the copy alive
-            for error in measurement.errors:  # their frames would keep it alive too
-                forget_frames(error)
-
-        return ProfileJob(values, seed, call, finish, buffer)
+            values = buffer = flat_copy(plain, self._native.buffer(numel, dtype))
+        call = self._fused.call(numel, with_histogram)
+        cache = self._index_cache  # this sample's, whenever it runs
+        seed = cpu_seed(cache, self._generator(_CPU), numel, call.size) if call.drawn else None
+        job = _QueuedFill(self, measurement, values, seed, call, cache, plain.dtype, with_histogram)
+        job.buffer = buffer
+        return job
 
     def _run(
         self, reducer: Reducer, prepared: PreparedTensor, measurement: Measurement
@@ -523,16 +571,74 @@ class Measurer:
         return generator
 
 
-def _flat_copy(plain: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """``plain``'s entries copied into the flat ``buffer``, in row-major order; ``buffer``.
+class _QueuedFill(ProfileJob):
+    """A tensor's job on the kernels' queue, which fills its measurement in once it has run.
 
-    A contiguous tensor is copied flat: a copy between two-dimensional views of the same
-    entries takes torch four times as long (19 against 4 us for 16 Ki float32 entries).
+    Read back on the thread that settles or measures (``ProfileJob.complete``). Where the
+    kernels finished (``STATUS_OK``, nearly every tensor) their values go in as they are;
+    otherwise ``FusedReductions.finish`` completes them (the moments on the host), or the
+    reducers run on the copy the job read, with the same subsample positions (``cpu_seed``).
+    The job itself, not closures around it: a small sample makes one per tensor, in its hooks.
     """
-    if plain.is_contiguous():
-        return buffer.copy_(plain.view(-1))
-    buffer.view(plain.shape).copy_(plain)
-    return buffer
+
+    __slots__ = ("_cache", "_measurement", "_measurer", "_source_dtype", "_with_histogram")
+
+    def __init__(
+        self,
+        measurer: Measurer,
+        measurement: Measurement,
+        values: torch.Tensor | None,
+        seed: int | None,
+        call: _Call,
+        cache: IndexCache,
+        source_dtype: torch.dtype,
+        with_histogram: bool,
+    ) -> None:
+        super().__init__(values, seed, call)
+        self._measurer = measurer
+        self._measurement = measurement
+        self._cache = cache
+        self._source_dtype = source_dtype
+        self._with_histogram = with_histogram
+
+    def read_back(self, queued: _native.Queued) -> None:
+        measurer, measurement, values = self._measurer, self._measurement, queued.values
+        fusion = measurer._fused
+        assert fusion is not None, "only the kernels' jobs are read back here"
+        if queued.status != _native.STATUS_OK:
+            self._finish_otherwise(fusion, queued.profiled())
+            return
+        results, histogram, edges = fusion.values(values.tolist(), self._call)
+        float64 = values.dtype == np.float64
+        measurer._fused_into(measurement, self._call.numel, results, histogram, edges, float64)
+
+    def _finish_otherwise(self, fusion: FusedReductions, profiled: _native.Profiled) -> None:
+        """The kernels did not finish: the moments on the host, or the reducers on the copy."""
+        measurer, measurement, values = self._measurer, self._measurement, self._values
+        assert values is not None, "a job is read back before it lets its values go"
+        try:
+            fused = fusion.finish(profiled, self._call, self._prepared)
+        except Exception:  # the reducers run instead, and report what fails
+            fused = None
+        if fused is not None:
+            measurer._fused_into(
+                measurement,
+                self._call.numel,
+                fused.results,
+                fused.histogram,
+                fused.edges,
+                fused.float64,
+            )
+            return
+        with_histogram, cache = self._with_histogram, self._cache
+        measurer._fill(values, measurement, with_histogram, cache, self._source_dtype, fused=False)
+        unalias(measurement, values)  # nothing the reducers give may keep the copy alive
+        for error in measurement.errors:  # their frames would keep it alive too
+            forget_frames(error)
+
+    def _prepared(self) -> PreparedTensor:
+        assert self._values is not None, "a job is read back before it lets its values go"
+        return PreparedTensor(self._values, self._measurer._generator(_CPU), self._cache)
 
 
 def _same_storage(one: torch.Tensor, other: torch.Tensor) -> bool:

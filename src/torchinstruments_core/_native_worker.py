@@ -33,13 +33,13 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
+import torch
+
 from torchinstruments_core import _background
 from torchinstruments_core.reducers import _native
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    import torch
 
     from torchinstruments_core.reducers._fused import _Call
 
@@ -48,12 +48,14 @@ class ProfileJob:
     """One tensor's ``profile`` on the queue, and what reads its values back.
 
     Args:
-        values: A ``usable``, contiguous tensor that nothing changes until the job has run.
+        values: A ``usable``, contiguous tensor that nothing changes until the job has run;
+            ``None`` for a job whose copy ``NativeWorker.submit_copy`` makes.
         seed: The seed of the subsample's positions (``cpu_seed``), ``None`` for the first
             ``call.size`` entries.
         call: What to ask the kernels for (``FusedReductions.call``).
         finish: Called with the kernels' output once the job has run, on the thread that
-            reads it back; it must not raise, nor keep a view of ``buffer``.
+            reads it back; it must not raise, nor keep a view of ``buffer``. ``None`` where
+            a subclass reads it back itself (``read_back``).
         buffer: ``values``, where it is a buffer of the worker's (``NativeWorker.buffer``).
     """
 
@@ -61,10 +63,10 @@ class ProfileJob:
 
     def __init__(
         self,
-        values: torch.Tensor,
+        values: torch.Tensor | None,
         seed: int | None,
         call: _Call,
-        finish: Callable[[_native.Profiled], None],
+        finish: Callable[[_native.Profiled], None] | None = None,
         buffer: torch.Tensor | None = None,
     ) -> None:
         self._values = values
@@ -78,18 +80,21 @@ class ProfileJob:
 
     def start(self, queue: object | None) -> int | None:
         """Submit the job to ``queue`` (``None``: run it here); its ticket, ``None`` if it ran."""
-        call = self._call
-        self._queued = _native.submit_profile(
-            queue, self._values, self._seed, call.size, call.plan, call.bins
-        )
+        assert self._values is not None, "a job starts once it has its values"
+        self._queued = _native.submit_profile(queue, self._values, self._seed, self._call.shape)
         return self._queued.ticket
 
     def complete(self) -> None:
-        """Read the values back (``finish``), once the job has run; then let its buffers go."""
+        """Read the values back (``read_back``), once the job has run; then let its buffers go."""
         queued, self._queued = self._queued, None
         if queued is not None:
-            self._finish(queued.profiled())
-        self._values = None  # type: ignore[assignment]
+            self.read_back(queued)
+        self._values = None
+
+    def read_back(self, queued: _native.Queued) -> None:
+        """Hand what the job wrote to ``finish``; a subclass may read ``queued`` itself."""
+        assert self._finish is not None, "a job without finish reads its values back itself"
+        self._finish(queued.profiled())
 
 
 class NativeWorker:
@@ -132,15 +137,17 @@ class NativeWorker:
         A spare of that size and dtype where there is one (see ``_background``), else a new
         one, after freeing the oldest spares until held and spare bytes fit the budget.
         """
-        import torch
-
         if _background._current_pid != self._pid:  # a child made by fork: the lock may be held
             return torch.empty(numel, dtype=dtype, device="cpu")
         with self._lock:
-            spare = self._spares.take(numel, dtype)
-            if spare is not None:
-                return spare
-            self._spares.trim(self._budget - self._held)
+            return self._take(numel, dtype)
+
+    def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``buffer``'s work, the lock held."""
+        spare = self._spares.take(numel, dtype)
+        if spare is not None:
+            return spare
+        self._spares.trim(self._budget - self._held)
         return torch.empty(numel, dtype=dtype, device="cpu")
 
     @staticmethod
@@ -184,12 +191,56 @@ class NativeWorker:
             except BaseException:
                 self._held -= nbytes
                 raise
-            if ticket is None:  # the queue ran it (closed from another thread meanwhile)
-                self._held -= nbytes
-                job.complete()
-                return None
-            self._pending.append((ticket, nbytes, job))
-            return ticket
+            return self._track(ticket, nbytes, job)
+
+    def submit_copy(self, plain: torch.Tensor, dtype: torch.dtype, job: ProfileJob) -> int | None:
+        """``submit`` of ``job`` on a flat copy of ``plain`` in ``dtype``, in a buffer of ours.
+
+        A small sample's usual hand-over. Where the queue is up and the copy fits the budget
+        it is made and queued in this one call, without ``submit``'s ``make`` and the calls
+        around it: this runs in a hook, between the model's kernels, where each Python call
+        costs two to three times what it does in a warm loop. Anything else (the first job,
+        which makes the queue; no room; after ``close``; a child made by ``fork``) goes through
+        ``submit``, with the same result.
+
+        Returns:
+            As ``submit``: the job's ticket, or ``None`` when it ran here.
+        """
+        numel = plain.numel()
+        nbytes = numel * dtype.itemsize
+        queue = self._queue
+        if queue is not None and _background._current_pid == self._pid:
+            with self._lock:
+                if not self._closed and self._held + nbytes <= max(self._budget, nbytes):
+                    self._budget = max(self._budget, nbytes)
+                    self._held += nbytes
+                    try:
+                        buffer = self._take(numel, dtype)
+                        job._values = job.buffer = _background.flat_copy(plain, buffer)
+                        ticket = job.start(queue)
+                    except BaseException:
+                        self._held -= nbytes
+                        raise
+                    return self._track(ticket, nbytes, job)
+
+        def make() -> ProfileJob:
+            job._values = job.buffer = _background.flat_copy(plain, self.buffer(numel, dtype))
+            return job
+
+        return self.submit(nbytes, make)
+
+    def _track(self, ticket: int | None, nbytes: int, job: ProfileJob) -> int | None:
+        """Hold ``job`` (queued with ``ticket``) until it is read back; ``ticket``, as ``submit``.
+
+        A job the queue ran in the caller (``ticket`` ``None``: it closed meanwhile, from its
+        finalizer or another thread) is read back at once and holds nothing.
+        """
+        if ticket is None:
+            self._held -= nbytes
+            job.complete()
+            return None
+        self._pending.append((ticket, nbytes, job))
+        return ticket
 
     def wakes(self) -> int:
         """How many jobs found the queue's thread asleep and woke it (``_native.queue_wakes``)."""

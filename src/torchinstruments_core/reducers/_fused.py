@@ -53,11 +53,11 @@ class Fused(NamedTuple):
 
     results: list[list[float]]
     histogram: list[float] | None
-    float64: bool
-    """Whether the working dtype is float64 (the histogram's edges are searched in it)."""
-    edges: list[float] | None = None
+    edges: list[float] | None
     """The histogram's ``bins + 1`` edges, as ``_edges.histograms_edges`` gives them, found by
     the kernels; ``None`` without a histogram."""
+    float64: bool
+    """Whether the working dtype is float64 (the histogram's edges are searched in it)."""
 
 
 class _Call(NamedTuple):
@@ -65,15 +65,27 @@ class _Call(NamedTuple):
 
     numel: int
     """Entries of the tensor."""
-    size: int
-    """Entries in the quartiles' subsample (0: no quartiles)."""
     drawn: bool
     """Whether the subsample is drawn (fewer entries than the tensor's)."""
-    plan: QuantilePlan | None
-    bins: int
-    """Histogram bins (0: no histogram)."""
     last: int
     """Where the quantiles end in the kernels' values (the histogram follows)."""
+    shape: _native.ProfileShape
+    """The subsample's size, its quantile plan, the bins, and the buffers' lengths."""
+
+    @property
+    def size(self) -> int:
+        """Entries in the quartiles' subsample (0: no quartiles)."""
+        return self.shape.size
+
+    @property
+    def plan(self) -> QuantilePlan | None:
+        """The ``quantile_plan`` of the subsample (``None``: no quartiles)."""
+        return self.shape.plan
+
+    @property
+    def bins(self) -> int:
+        """Histogram bins (0: no histogram)."""
+        return self.shape.bins
 
 
 @functools.lru_cache(maxsize=256)
@@ -83,10 +95,11 @@ def _call(numel: int, sample_size: int | None, bins: int) -> _Call:
     Worked out once per size (a model measures a few sizes a step), not once per tensor.
     """
     if sample_size is None:
-        return _Call(numel, 0, False, None, bins, _native.MOMENTS)
+        return _Call(numel, False, _native.MOMENTS, _native.profile_shape(0, None, bins))
     size = numel if sample_size == 0 else subsample_size(numel, sample_size)
     plan = quantile_plan(size, DEFAULT_QUANTILES)
-    return _Call(numel, size, size != numel, plan, bins, _native.MOMENTS + len(plan.levels))
+    shape = _native.profile_shape(size, plan, bins)
+    return _Call(numel, size != numel, _native.MOMENTS + len(plan.levels), shape)
 
 
 class FusedReductions:
@@ -144,7 +157,7 @@ class FusedReductions:
             return None
         call = self.call(prepared.numel, with_histogram)
         index = prepared.random_index(call.size) if call.drawn else None
-        profiled = _native.profile(values, index, call.size, call.plan, call.bins)
+        profiled = _native.profile(values, index, call.shape)
         return self.finish(profiled, call, lambda: prepared)
 
     def finish(
@@ -159,24 +172,38 @@ class FusedReductions:
         if status != _native.STATUS_OK and status != _native.STATUS_MOMENTS_ON_HOST:
             return None
         floats = profiled.values.tolist()
-        first, last = _native.MOMENTS, call.last
-        moments = floats[:first]
         float64 = profiled.values.dtype == np.float64
-        if status == _native.STATUS_MOMENTS_ON_HOST and self._moments:
-            tensor = prepared()
-            found = host_moment_values(
-                HostSummary(*profiled.summary()),
-                call.numel,
-                tensor.values.dtype,
-                lambda shift: shifted_squares(tensor, shift, CHUNK_SIZE),
-            )
-            if found is None:  # squares that need scaling: the reducers scale them
-                return None
-            moments = np.array(found, dtype=profiled.values.dtype).tolist()  # as ``host_values``
+        if status == _native.STATUS_OK or not self._moments:
+            return Fused(*self.values(floats, call), float64)
+        tensor = prepared()
+        found = host_moment_values(
+            HostSummary(*profiled.summary()),
+            call.numel,
+            tensor.values.dtype,
+            lambda shift: shifted_squares(tensor, shift, CHUNK_SIZE),
+        )
+        if found is None:  # squares that need scaling: the reducers scale them
+            return None
+        moments = np.array(found, dtype=profiled.values.dtype).tolist()  # as ``host_values``
+        return Fused(*self.values(floats, call, moments), float64)
+
+    def values(
+        self, floats: list[float], call: _Call, moments: list[float] | None = None
+    ) -> tuple[list[list[float]], list[float] | None, list[float] | None]:
+        """Each reducer's values, the packed histogram and its edges, in the kernels' ``floats``.
+
+        ``floats``: the values of a ``profile`` for ``call`` that finished
+        (``_native.STATUS_OK``), as a list; ``moments``: the nine moments where the host
+        computed them instead (``STATUS_MOMENTS_ON_HOST``). The histogram and its edges are
+        ``None`` without one.
+        """
+        first, last = _native.MOMENTS, call.last
+        if moments is None:
+            moments = floats[:first]
         quantiles = floats[first:last]
         results = [quantiles if place else moments for place in self._quantile_places]
-        if not call.bins:
-            return Fused(results, None, float64)
-        edges_at = last + call.bins + 4  # the edges follow the packed histogram
-        edges = floats[edges_at : edges_at + call.bins + 1]
-        return Fused(results, floats[last:edges_at], float64, edges)
+        bins = call.bins
+        if not bins:
+            return results, None, None
+        edges_at = last + bins + 4  # the edges follow the packed histogram
+        return results, floats[last:edges_at], floats[edges_at : edges_at + bins + 1]

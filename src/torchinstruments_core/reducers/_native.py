@@ -174,13 +174,48 @@ class Profiled(NamedTuple):
         return total, squares, lo, hi, int(zeros)
 
 
-def profile(
-    values: torch.Tensor,
-    index: torch.Tensor | None,
-    size: int,
-    plan: QuantilePlan | None,
-    bins: int,
-) -> Profiled:
+class ProfileShape(NamedTuple):
+    """What a ``profile`` of one subsample size and bin count asks for, worked out once.
+
+    Its quantile ranks and levels, and how long the buffers it writes are (``buffers``): a
+    model measures a few sizes a step, and a small sample's hand-over is mostly Python.
+    """
+
+    size: int
+    """Entries in the subsample; 0 for no quantiles."""
+    plan: QuantilePlan | None
+    """The ``quantile_plan`` of ``size`` entries; ``None`` for no quantiles."""
+    bins: int
+    """Histogram bins; 0 for no histogram."""
+    ranks: NDArray[np.int64]
+    table: NDArray[np.float64]
+    numbers: int
+    """Float64 entries ``profile`` writes its sums, order statistics and grid into."""
+    values: int
+    """Entries, in the working dtype, of its values (``Profiled.values``)."""
+
+    def buffers(
+        self, dtype: torch.dtype, *, status: bool
+    ) -> tuple[NDArray[np.float64], NDArray[np.floating]]:
+        """Fresh ``numbers`` and ``values`` buffers for one ``profile`` of a ``dtype`` tensor.
+
+        With ``status``, ``numbers`` holds one float64 more, its last: where a queued job
+        writes its status (``_kernels.c`` puts it right after the grid, which is where this
+        one ends).
+        """
+        numbers = np.empty(self.numbers + status, dtype=np.float64)
+        return numbers, np.empty(self.values, dtype=_NUMPY_DTYPES[dtype])
+
+
+def profile_shape(size: int, plan: QuantilePlan | None, bins: int) -> ProfileShape:
+    """The ``ProfileShape`` of ``size`` subsample entries (with ``plan``) and ``bins`` bins."""
+    ranks, table = (_NO_RANKS, _NO_TABLE) if plan is None or not size else (plan.ranks, plan.table)
+    numbers = _SUMMARY + ranks.size + _GRID
+    values = MOMENTS + table.size // 3 + (2 * bins + 5 if bins else 0)
+    return ProfileShape(size, plan, bins, ranks, table, numbers, values)
+
+
+def profile(values: torch.Tensor, index: torch.Tensor | None, shape: ProfileShape) -> Profiled:
     """``reduce``, then in the same call the values the built-in reducers give from its output.
 
     The nine moments as ``functional.host_moment_values`` computes them, the quantiles as
@@ -191,42 +226,25 @@ def profile(
     Args:
         values: A ``usable`` tensor of at least one entry.
         index: Positions of the subsample (int64, contiguous), or ``None`` (``reduce``).
-        size: Entries in the subsample; 0 (and ``plan`` ``None``) for no quantiles.
-        plan: The ``quantile_plan`` of ``size`` entries.
-        bins: Histogram bins; 0 for no histogram.
+        shape: The subsample's size, its quantile plan and the histogram's bins
+            (``profile_shape``).
     """
     assert KERNELS is not None, "profile needs the compiled kernels (check usable first)"
     values = _dense(values)
-    ranks, table, numbers, out = _profile_buffers(values.dtype, size, plan, bins, status=False)
+    numbers, out = shape.buffers(values.dtype, status=False)
     status = KERNELS.profile(
         values.data_ptr(),
         values.numel(),
         _DTYPES[values.dtype],
         0 if index is None else index.data_ptr(),
-        size,
-        ranks,
-        table,
-        bins,
+        shape.size,
+        shape.ranks,
+        shape.table,
+        shape.bins,
         numbers,
         out,
     )
     return Profiled(status, numbers, out)
-
-
-def _profile_buffers(
-    dtype: torch.dtype, size: int, plan: QuantilePlan | None, bins: int, *, status: bool
-) -> tuple[NDArray[np.int64], NDArray[np.float64], NDArray[np.float64], NDArray[np.floating]]:
-    """``profile``'s ranks and levels, and the buffers it writes.
-
-    With ``status``, ``numbers`` holds one float64 more, its last: where a queued job writes its
-    status (``_kernels.c`` puts it right after the grid, which is where this one ends).
-    """
-    ranks, table = (_NO_RANKS, _NO_TABLE) if plan is None or not size else (plan.ranks, plan.table)
-    numbers = np.empty(_SUMMARY + ranks.size + _GRID + status, dtype=np.float64)
-    out = np.empty(
-        MOMENTS + table.size // 3 + (2 * bins + 5 if bins else 0), dtype=_NUMPY_DTYPES[dtype]
-    )
-    return ranks, table, numbers, out
 
 
 QUEUE = KERNELS is not None and hasattr(KERNELS, "queue_new")
@@ -270,9 +288,14 @@ class Queued(NamedTuple):
     source: torch.Tensor
     plan: QuantilePlan | None
 
+    @property
+    def status(self) -> int:
+        """The job's status (``Profiled.status``), once it has run."""
+        return int(self.numbers[-1])
+
     def profiled(self) -> Profiled:
         """What ``profile`` would have given, once the job has run."""
-        return Profiled(int(self.numbers[-1]), self.numbers[:-1], self.values)
+        return Profiled(self.status, self.numbers[:-1], self.values)
 
 
 STATUS_NO_MEMORY = 8
@@ -280,12 +303,7 @@ STATUS_NO_MEMORY = 8
 
 
 def submit_profile(
-    queue: object | None,
-    values: torch.Tensor,
-    seed: int | None,
-    size: int,
-    plan: QuantilePlan | None,
-    bins: int,
+    queue: object | None, values: torch.Tensor, seed: int | None, shape: ProfileShape
 ) -> Queued:
     """``profile`` of ``values`` on ``queue``'s thread, or here when ``queue`` is ``None``.
 
@@ -293,27 +311,36 @@ def submit_profile(
         queue: A reduction queue (``new_queue``), or ``None`` to run the job in the caller.
         values: A ``usable``, contiguous tensor, which nothing changes until the job has run.
         seed: The seed of the subsample's positions, drawn as ``draw_positions`` draws them,
-            or ``None`` for the first ``size`` entries (all of them, for exact quartiles).
-        size: Entries in the subsample; 0 (and ``plan`` ``None``) for no quantiles.
-        plan: The ``quantile_plan`` of ``size`` entries.
-        bins: Histogram bins; 0 for no histogram.
+            or ``None`` for the first ``shape.size`` entries (all of them, for exact
+            quartiles).
+        shape: The subsample's size, its quantile plan and the histogram's bins
+            (``profile_shape``).
     """
     assert KERNELS is not None, "submit_profile needs the kernels (check QUEUE)"
-    dtype = values.dtype
-    ranks, table, numbers, out = _profile_buffers(dtype, size, plan, bins, status=True)
+    numbers, out = shape.buffers(values.dtype, status=True)
     if queue is not None:
-        data, numel, code = values.data_ptr(), values.numel(), _DTYPES[dtype]
         ticket = KERNELS.queue_submit(
-            queue, seed, data, numel, code, 0, size, ranks, table, bins, numbers, out
+            queue,
+            seed,
+            values.data_ptr(),
+            values.numel(),
+            _DTYPES[values.dtype],
+            0,
+            shape.size,
+            shape.ranks,
+            shape.table,
+            shape.bins,
+            numbers,
+            out,
         )
-        return Queued(ticket, numbers, out, values, plan)
+        return Queued(ticket, numbers, out, values, shape.plan)
     try:  # as the queue's thread would: its own draw, and no memory a status, not an error
-        index = None if seed is None else draw_positions(seed, values.numel(), size)
-        profiled = profile(values, index, size, plan, bins)
+        index = None if seed is None else draw_positions(seed, values.numel(), shape.size)
+        profiled = profile(values, index, shape)
         numbers[:-1], numbers[-1], out = profiled.numbers, profiled.status, profiled.values
     except MemoryError:
         numbers[-1] = STATUS_NO_MEMORY
-    return Queued(None, numbers, out, values, plan)
+    return Queued(None, numbers, out, values, shape.plan)
 
 
 def queue_finished(queue: object) -> int:

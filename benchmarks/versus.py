@@ -1,0 +1,181 @@
+"""This checkout's observer against another revision's, in one process, step against step.
+
+    uv run python benchmarks/versus.py [--baseline HEAD] [--workload mnist-mlp] [--rounds 300]
+
+Two processes on a shared machine differ in speed by more than most changes to the observer
+(``paired.py``'s docstring), so a change is measured here inside one process: the observer of
+this working tree and the one of ``--baseline`` (a git revision, ``HEAD`` by default: the
+working tree's uncommitted changes against the last commit) each observe their own copy of the
+workload, beside a plain copy. Every round runs a sampled step of each observed copy, followed
+by its next (unsampled) step, and a plain step, in an order that rotates every round; each is
+divided by the round's plain step.
+
+The baseline's ``torchinstruments_core`` is read out of git into a temporary folder under
+another name (``ti_baseline``, every import renamed), so that both import side by side; its
+compiled kernels are this checkout's, and the baseline must have the same ``_kernels.c`` (a
+change to the kernels is measured with ``paired.py`` in separate processes instead). Each
+observer has its own reduction threads and writer process.
+
+Printed per workload: the plain step, each observer's sampled step and the step after it over
+the plain step (median of the rounds, with the interquartile range), and this checkout's
+sampled ratio less the baseline's two ways: the difference of the two medians, and the median
+of the per-round differences (below zero, this checkout's sample costs less). The sampled
+steps scatter by a few tenths and not symmetrically, so the two can differ: on the MNIST MLP
+the first has been about twice the second.
+
+The harness is not quite fair to its two sides: run against ``HEAD`` with no change in the
+working tree (2026-12-04), it gave LeNet-5 +0.004x and +0.007x (difference of the medians;
++0.003x and +0.007x the median of the differences) and the MNIST MLP -0.011x (+0.011x). A
+difference within about 0.01x is nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _overhead_workloads import WORKLOADS, build
+
+_ROOT = Path(__file__).resolve().parent.parent
+_PACKAGE = "torchinstruments_core"
+_BASELINE = "ti_baseline"
+
+
+def baseline_package(revision: str, folder: Path) -> Any:
+    """Import ``revision``'s ``torchinstruments_core`` from ``folder`` as ``ti_baseline``."""
+    listing = subprocess.run(
+        ["git", "ls-tree", "-r", "--name-only", revision, f"src/{_PACKAGE}"],
+        cwd=_ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    if not listing:
+        raise SystemExit(f"{revision} has no src/{_PACKAGE}")
+    ours = _ROOT / "src" / _PACKAGE
+    for path in listing:
+        content = subprocess.run(
+            ["git", "show", f"{revision}:{path}"], cwd=_ROOT, check=True, capture_output=True
+        ).stdout
+        relative = Path(path).relative_to(f"src/{_PACKAGE}")
+        target = folder / _BASELINE / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if relative.suffix in (".py", ".pyi"):
+            content = content.replace(_PACKAGE.encode(), _BASELINE.encode())
+        elif relative.name == "_kernels.c" and content != (ours / relative).read_bytes():
+            raise SystemExit(
+                f"{revision}'s _kernels.c differs from this checkout's: compare the two with "
+                "paired.py in separate processes"
+            )
+        target.write_bytes(content)
+    for built in (ours / "reducers").glob("_kernels*.so"):
+        shutil.copy2(built, folder / _BASELINE / "reducers" / built.name)
+    sys.path.insert(0, str(folder))
+    return importlib.import_module(_BASELINE)
+
+
+def measure(
+    name: str, packages: dict[str, Any], rounds: int, warmup: int
+) -> dict[str, list[float]]:
+    """Each configuration's step over the round's plain step, ``rounds`` rounds."""
+    plain = build(name, torch.device("cpu"))
+    copies = {label: build(name, torch.device("cpu")) for label in packages}
+    folders = {label: tempfile.mkdtemp(prefix=f"versus-{label}-") for label in packages}
+    observers = {
+        label: package.inject_observer(copies[label].model, output_dir=Path(folders[label]) / "run")
+        for label, package in packages.items()
+    }
+    number = 0
+
+    def step(label: str, sample: bool) -> float:
+        nonlocal number
+        started = time.perf_counter()
+        if label == "plain":
+            plain.step()
+        else:
+            observers[label].begin_step(number, sample=sample)
+            copies[label].step()
+            observers[label].end_step()
+            number += 1
+        return time.perf_counter() - started
+
+    labels = ["plain", *packages]
+    try:
+        for index in range(warmup):
+            for label in labels:
+                step(label, index % 2 == 0 and label != "plain")
+        times: dict[str, list[float]] = {key: [] for key in labels}
+        times.update({f"{label} after": [] for label in packages})
+        for index in range(rounds):
+            print(f"\r{name}: round {index + 1}/{rounds}", end="", file=sys.stderr)
+            for label in labels[index % 3 :] + labels[: index % 3]:
+                times[label].append(step(label, label != "plain"))
+                if label != "plain":
+                    times[f"{label} after"].append(step(label, False))
+        print(file=sys.stderr)
+    finally:
+        for observer in observers.values():
+            observer.remove()
+        for folder in folders.values():
+            shutil.rmtree(folder, ignore_errors=True)
+    base = times["plain"]
+    ratios = {
+        key: [t / p for t, p in zip(values, base, strict=True)] for key, values in times.items()
+    }
+    ratios["plain"] = base
+    return ratios
+
+
+def _median_iqr(values: list[float]) -> str:
+    quartiles = statistics.quantiles(values, n=4)
+    return f"{statistics.median(values):.3f}x ({quartiles[0]:.3f}-{quartiles[2]:.3f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--baseline", default="HEAD", help="a git revision (default: HEAD)")
+    parser.add_argument("--workload", nargs="+", default=["mnist-mlp"], choices=sorted(WORKLOADS))
+    parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    import torchinstruments_core
+
+    with tempfile.TemporaryDirectory(prefix="versus-baseline-") as folder:
+        packages = {
+            "this checkout": torchinstruments_core,
+            args.baseline: baseline_package(args.baseline, Path(folder)),
+        }
+        print(f"\nthis checkout against {args.baseline}, one process, {args.rounds} rounds")
+        print(f"{torch.get_num_threads()} thread(s), torch {torch.__version__}\n")
+        print(
+            "| workload | plain step (ms) | this checkout: sampled | the step after |"
+            f" {args.baseline}: sampled | the step after | difference of the medians |"
+            " median of the differences |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for name in args.workload:
+            ratios = measure(name, packages, args.rounds, args.warmup)
+            ours, theirs = ratios["this checkout"], ratios[args.baseline]
+            apart = statistics.median(ours) - statistics.median(theirs)
+            difference = statistics.median(a - b for a, b in zip(ours, theirs, strict=True))
+            print(
+                f"| {name} | {statistics.median(ratios['plain']) * 1e3:.2f} |"
+                f" {_median_iqr(ours)} | {statistics.median(ratios['this checkout after']):.3f}x |"
+                f" {_median_iqr(theirs)} | {statistics.median(ratios[f'{args.baseline} after']):.3f}x |"
+                f" {apart:+.3f}x | {difference:+.3f}x |"
+            )
+
+
+if __name__ == "__main__":
+    main()
