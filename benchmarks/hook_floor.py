@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from _overhead_workloads import WORKLOADS, build
+from _warmup import SECONDS, warm_up
 
 from torchinstruments_core import inject_observer
 from torchinstruments_core.reducers import _native
@@ -296,8 +297,12 @@ def measure(name: str, rounds: int) -> dict[str, list[tuple[float, int]]]:
             elapsed = time.perf_counter() - started
             return elapsed, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
-        for configuration in CONFIGURATIONS * 3:  # warm-up
-            step(configuration)
+        warm_up(  # every configuration, the observer's writer process and the lean one's started
+            lambda index: step(CONFIGURATIONS[index % len(CONFIGURATIONS)]),
+            3 * len(CONFIGURATIONS),
+            SECONDS,
+            name,
+        )
         for index in range(rounds):
             shift = index % len(CONFIGURATIONS)
             for configuration in CONFIGURATIONS[shift:] + CONFIGURATIONS[:shift]:

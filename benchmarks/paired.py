@@ -1,9 +1,9 @@
 """The overhead targets, measured step against step in one process: unsampled and sampled steps.
 
     uv run python benchmarks/paired.py [--workload all|extra|mlp|cnn|...]
-        [--rounds 40] [--compile] [--exact-quartiles] [--sink run-directory|recording]
-        [--device cpu|cuda] [--no-memory] [--optimizer] [--record-inputs] [--profile]
-        [--background auto|on|off]
+        [--rounds 40] [--warmup 3] [--warmup-seconds 3] [--compile] [--exact-quartiles]
+        [--sink run-directory|recording] [--device cpu|cuda] [--no-memory] [--optimizer]
+        [--record-inputs] [--profile] [--background auto|on|off]
 
 ``overhead.py`` gives every configuration a fresh process, which is right for memory and for
 comparing tools, but on a shared machine the speed of two processes can differ by 10 %, more
@@ -12,7 +12,8 @@ weights, same batches) live in one process: one plain, one observed (default pro
 directory). Each round runs one step of each configuration: plain, observed but not sampled,
 observed and sampled followed at once by the observed model's next (unsampled) step, in an
 order that rotates every round, so that drift and what a step leaves behind (caches) fall on
-every configuration alike. What a sample leaves for after its step (the run directory's writer
+every configuration alike. The rounds are timed after a warm-up of ``--warmup`` rounds and at
+least ``--warmup-seconds`` (``_warmup``: the run directory's writer process starts meanwhile). What a sample leaves for after its step (the run directory's writer
 starts on it once the step is over) falls on the step after it, which is timed as its own
 configuration and counted in the every-50 figure. Step time is wall
 time (``time.perf_counter``): what the training loop waits, including any wait for the GIL
@@ -79,6 +80,7 @@ import _extra_workloads
 import torch
 from _overhead_workloads import WORKLOADS, Workload, build
 from _paired_memory import MemoryResult, largest_activation, measure_memory, print_memory
+from _warmup import SECONDS, warm_up
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -224,15 +226,17 @@ def _measure(
     with tempfile.TemporaryDirectory() as folder:
         observer = _observe(args, observed, folder)
         times: dict[str, list[float]] = {c: [] for c in (*CONFIGURATIONS, AFTER)}
-        for index in range(args.warmup + args.rounds):
+
+        def run_round(index: int) -> dict[str, float]:
             units = _ROUND_UNITS[index % 3 :] + _ROUND_UNITS[: index % 3]
             order = [c for unit in units for c in unit]
-            round_times = {c: _step(c, plain, observed, observer, index) for c in order}
-            if index >= args.warmup:
-                for configuration, seconds in round_times.items():
-                    times[configuration].append(seconds)
-            total = args.warmup + args.rounds
-            print(f"{name}: round {index + 1}/{total}", file=sys.stderr, end="\r")
+            return {c: _step(c, plain, observed, observer, index) for c in order}
+
+        warmed = warm_up(run_round, args.warmup, args.warmup_seconds, name)
+        for index in range(warmed, warmed + args.rounds):
+            for configuration, seconds in run_round(index).items():
+                times[configuration].append(seconds)
+            print(f"{name}: round {index - warmed + 1}/{args.rounds}", file=sys.stderr, end="\r")
         print(file=sys.stderr)
         result = WorkloadResult(
             name,
@@ -247,7 +251,7 @@ def _measure(
             steps = {
                 c: functools.partial(_step, c, plain, observed, observer) for c in CONFIGURATIONS
             }
-            at = args.warmup + args.rounds
+            at = warmed + args.rounds
             # the torch profiler does not see frees on the CPU reduction worker's thread: the
             # memory steps reduce in the hook (the worker's own bound is tested instead)
             observer._config.measurer.background = False  # type: ignore[attr-defined]
@@ -312,7 +316,13 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="all", choices=[*GROUPS, *sorted(WORKLOADS)])
     parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3, help="rounds first, at the least")
+    parser.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=SECONDS,
+        help="seconds of warm-up rounds at the least (the writer process starts meanwhile)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from _overhead_workloads import WORKLOADS, build
+from _warmup import SECONDS, warm_up
 
 from torchinstruments_core import _measure, inject_observer
 from torchinstruments_core._measurement import Measurement
@@ -165,8 +166,7 @@ def measure(name: str, rounds: int, sink: str) -> dict[str, list[float]]:
             return time.perf_counter() - started
 
         try:
-            for warm in range(3 * len(stand_ins)):
-                run(warm % 2 == 0)
+            warm_up(lambda warm: run(warm % 2 == 0), 3 * len(stand_ins), SECONDS, name)
             order = list(stand_ins)
             for round_ in range(rounds):
                 started = time.perf_counter()

@@ -1,12 +1,16 @@
 """Where a sampled step's time goes: the observer's phases, timed inside one process.
 
     uv run python benchmarks/sampled_profile.py [--workload small-gpt] [--steps 20]
-        [--sink run-directory|recording] [--writer process|thread] [--stub-reductions]
+        [--warmup 3] [--sink run-directory|recording] [--writer process|thread]
+        [--stub-reductions]
 
 The engine's functions are wrapped with timers (wall clock, ``time.perf_counter``, or with
 ``--clock cpu`` the thread's CPU time, steadier on a busy machine; about a microsecond per call,
 against tens to hundreds for what they time) and a workload runs
-``--steps`` sampled steps after three warm-up steps, then as many unsampled ones. Reported per
+``--steps`` sampled steps after the warm-up (sampled steps for at least ``--warmup`` seconds,
+``_warmup``: the run directory's writer process starts meanwhile, and until it is ready a full
+queue of samples blocks the training thread once, which would add a tenth of a second to the
+mean of every phase around delivery), then as many unsampled ones. Reported per
 sampled step: the step itself, the unsampled step, and each phase in milliseconds, split by the
 thread it ran on: ``training``, ``reductions`` (the CPU reduction worker, on where torch's
 threads leave a core free: with the default ``--threads 1`` on two cores or more) and
@@ -43,6 +47,7 @@ from typing import Any
 
 import torch
 from _overhead_workloads import WORKLOADS, build
+from _warmup import SECONDS, warm_up
 
 _TIMES: dict[tuple[str, str], float] = collections.defaultdict(float)
 _MAIN = threading.main_thread()
@@ -153,6 +158,9 @@ def main() -> None:
     parser.add_argument("--workload", default="small-gpt", choices=sorted(WORKLOADS))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--warmup", type=float, default=SECONDS, help="seconds of sampled steps first"
+    )
     parser.add_argument("--sink", choices=["run-directory", "recording"], default="run-directory")
     parser.add_argument("--writer", choices=["process", "thread"], default="process")
     parser.add_argument(
@@ -190,12 +198,11 @@ def main() -> None:
             observer.end_step()
             return _clock() - started
 
-        for number in range(3):
-            step(number, True)
+        warm = warm_up(lambda index: step(index, True), 3, args.warmup, args.workload)
         _TIMES.clear()  # the warm-up steps'
-        sampled = [step(3 + n, True) for n in range(args.steps)]
+        sampled = [step(warm + n, True) for n in range(args.steps)]
         phases = dict(_TIMES)
-        unsampled = [step(3 + args.steps + n, False) for n in range(args.steps)]
+        unsampled = [step(warm + args.steps + n, False) for n in range(args.steps)]
         observer.remove()
     _print(args, statistics.median(sampled), statistics.median(unsampled), phases)
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from _overhead_workloads import WORKLOADS, build
+from _warmup import SECONDS, warm_up
 
 _ROOT = Path(__file__).resolve().parent.parent
 _PACKAGE = "torchinstruments_core"
@@ -110,9 +111,12 @@ def measure(
 
     labels = ["plain", *packages]
     try:
-        for index in range(warmup):
+
+        def warm_round(index: int) -> None:
             for label in labels:
                 step(label, index % 2 == 0 and label != "plain")
+
+        warm_up(warm_round, warmup, SECONDS, name)
         times: dict[str, list[float]] = {key: [] for key in labels}
         times.update({f"{label} after": [] for label in packages})
         for index in range(rounds):
@@ -145,7 +149,7 @@ def main() -> None:
     parser.add_argument("--baseline", default="HEAD", help="a git revision (default: HEAD)")
     parser.add_argument("--workload", nargs="+", default=["mnist-mlp"], choices=sorted(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=100, help="rounds, and at least 3 s")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
