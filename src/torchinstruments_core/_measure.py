@@ -602,15 +602,18 @@ class _QueuedFill(ProfileJob):
         self._with_histogram = with_histogram
 
     def read_back(self, queued: _native.Queued) -> None:
-        measurer, measurement, values = self._measurer, self._measurement, queued.values
+        """Fill the measurement in from what the job wrote (``queued.values``, the kernels')."""
+        measurer, out = self._measurer, queued.values
         fusion = measurer._fused
         assert fusion is not None, "only the kernels' jobs are read back here"
         if queued.status != _native.STATUS_OK:
             self._finish_otherwise(fusion, queued.profiled())
             return
-        results, histogram, edges = fusion.values(values.tolist(), self._call)
-        float64 = values.dtype == np.float64
-        measurer._fused_into(measurement, self._call.numel, results, histogram, edges, float64)
+        call, measurement = self._call, self._measurement
+        results, histogram, edges = fusion.values(out.tolist(), call)
+        measurer._fused_into(
+            measurement, call.numel, results, histogram, edges, out.dtype == np.float64
+        )
 
     def _finish_otherwise(self, fusion: FusedReductions, profiled: _native.Profiled) -> None:
         """The kernels did not finish: the moments on the host, or the reducers on the copy."""
