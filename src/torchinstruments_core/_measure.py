@@ -18,7 +18,6 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from torchinstruments_core._background import ReductionWorker, flat_copy, free_core
@@ -33,8 +32,9 @@ from torchinstruments_core._measurement import (
     shareable,
     unalias,
 )
-from torchinstruments_core._native_worker import NativeWorker, ProfileJob
+from torchinstruments_core._native_worker import NativeWorker
 from torchinstruments_core._plain import plain_tensor
+from torchinstruments_core._queued import CPU, QueuedFill
 from torchinstruments_core._records import UnavailableReason
 from torchinstruments_core._torch_private import version
 from torchinstruments_core.reducers import (
@@ -44,7 +44,7 @@ from torchinstruments_core.reducers import (
     _native,
     working_dtype,
 )
-from torchinstruments_core.reducers._fused import FusedReductions, _Call
+from torchinstruments_core.reducers._fused import FusedReductions
 from torchinstruments_core.reducers.base import cpu_seed, seeded_cache
 
 if TYPE_CHECKING:
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
 
     from torchinstruments_core.reducers.base import IndexCache
 
-_CPU = torch.device("cpu")
 _QUEUED_DTYPES = frozenset((torch.float32, torch.float64))
 """The dtypes ``Measurer.measure`` hands to the kernels' queue without ``plain_tensor``: those
 the kernels read (``_native.usable``), in which a tensor is its own working-dtype values."""
@@ -273,7 +272,7 @@ class Measurer:
         """A small sample's CPU tensor copied (in ``dtype``) and its profile queued.
 
         What nearly every tensor of a small sample takes: one ``NativeWorker.submit_copy``,
-        its job (``_QueuedFill``) filling the measurement in when it is read back. A copy
+        its job (``QueuedFill``) filling the measurement in when it is read back. A copy
         that fails (out of memory) gives a measurement with its reason instead.
         """
         native, fusion = self._native, self._fused
@@ -281,9 +280,9 @@ class Measurer:
         assert fusion is not None, "the queue is there only for the built-in reducers"
         call = fusion.call(numel, with_histogram)
         cache = self._index_cache  # this sample's, whenever the job runs
-        seed = cpu_seed(cache, self._generator(_CPU), numel, call.size) if call.drawn else None
+        seed = cpu_seed(cache, self._generator(CPU), numel, call.size) if call.drawn else None
         measurement = Measurement(None, self.metrics)
-        job = _QueuedFill(self, measurement, None, seed, call, cache, plain.dtype, with_histogram)
+        job = QueuedFill(self, measurement, None, seed, call, cache, plain.dtype, with_histogram)
         try:
             measurement.ticket = native.submit_copy(plain, dtype, job)
         except Exception as error:  # the copy failed (out of memory): no job, a reason
@@ -505,7 +504,7 @@ class Measurer:
         with_histogram: bool,
         *,
         owned: bool,
-    ) -> _QueuedFill:
+    ) -> QueuedFill:
         """The kernels' queue's job for ``plain``, made in the hook (see ``_job``).
 
         The job reads a flat copy in the working dtype, made here, or ``plain`` itself where it
@@ -514,7 +513,7 @@ class Measurer:
         ``set_`` or a storage resize of the tensor would free it under the job, where the
         Python worker would only read changed values and drop them (these samples are small,
         and a copy of 16 Ki float32 entries takes about 4 us). Once the job has run, its values
-        fill ``measurement`` (``_QueuedFill``), on the thread that reads them back.
+        fill ``measurement`` (``QueuedFill``), on the thread that reads them back.
         """
         assert self._fused is not None
         assert self._native is not None
@@ -527,8 +526,8 @@ class Measurer:
             values = buffer = flat_copy(plain, self._native.buffer(numel, dtype))
         call = self._fused.call(numel, with_histogram)
         cache = self._index_cache  # this sample's, whenever it runs
-        seed = cpu_seed(cache, self._generator(_CPU), numel, call.size) if call.drawn else None
-        job = _QueuedFill(self, measurement, values, seed, call, cache, plain.dtype, with_histogram)
+        seed = cpu_seed(cache, self._generator(CPU), numel, call.size) if call.drawn else None
+        job = QueuedFill(self, measurement, values, seed, call, cache, plain.dtype, with_histogram)
         job.buffer = buffer
         return job
 
@@ -569,79 +568,6 @@ class Measurer:
             generator.manual_seed(self._seed)
             self._generators[device] = generator
         return generator
-
-
-class _QueuedFill(ProfileJob):
-    """A tensor's job on the kernels' queue, which fills its measurement in once it has run.
-
-    Read back on the thread that settles or measures (``ProfileJob.complete``). Where the
-    kernels finished (``STATUS_OK``, nearly every tensor) their values go in as they are;
-    otherwise ``FusedReductions.finish`` completes them (the moments on the host), or the
-    reducers run on the copy the job read, with the same subsample positions (``cpu_seed``).
-    The job itself, not closures around it: a small sample makes one per tensor, in its hooks.
-    """
-
-    __slots__ = ("_cache", "_measurement", "_measurer", "_source_dtype", "_with_histogram")
-
-    def __init__(
-        self,
-        measurer: Measurer,
-        measurement: Measurement,
-        values: torch.Tensor | None,
-        seed: int | None,
-        call: _Call,
-        cache: IndexCache,
-        source_dtype: torch.dtype,
-        with_histogram: bool,
-    ) -> None:
-        super().__init__(values, seed, call)
-        self._measurer = measurer
-        self._measurement = measurement
-        self._cache = cache
-        self._source_dtype = source_dtype
-        self._with_histogram = with_histogram
-
-    def read_back(self, queued: _native.Queued) -> None:
-        """Fill the measurement in from what the job wrote (``queued.values``, the kernels')."""
-        measurer, out = self._measurer, queued.values
-        fusion = measurer._fused
-        assert fusion is not None, "only the kernels' jobs are read back here"
-        if queued.status != _native.STATUS_OK:
-            self._finish_otherwise(fusion, queued.profiled())
-            return
-        call, measurement = self._call, self._measurement
-        results, histogram, edges = fusion.values(out.tolist(), call)
-        measurer._fused_into(
-            measurement, call.numel, results, histogram, edges, out.dtype == np.float64
-        )
-
-    def _finish_otherwise(self, fusion: FusedReductions, profiled: _native.Profiled) -> None:
-        """The kernels did not finish: the moments on the host, or the reducers on the copy."""
-        measurer, measurement, values = self._measurer, self._measurement, self._values
-        assert values is not None, "a job is read back before it lets its values go"
-        try:
-            fused = fusion.finish(profiled, self._call, self._prepared)
-        except Exception:  # the reducers run instead, and report what fails
-            fused = None
-        if fused is not None:
-            measurer._fused_into(
-                measurement,
-                self._call.numel,
-                fused.results,
-                fused.histogram,
-                fused.edges,
-                fused.float64,
-            )
-            return
-        with_histogram, cache = self._with_histogram, self._cache
-        measurer._fill(values, measurement, with_histogram, cache, self._source_dtype, fused=False)
-        unalias(measurement, values)  # nothing the reducers give may keep the copy alive
-        for error in measurement.errors:  # their frames would keep it alive too
-            forget_frames(error)
-
-    def _prepared(self) -> PreparedTensor:
-        assert self._values is not None, "a job is read back before it lets its values go"
-        return PreparedTensor(self._values, self._measurer._generator(_CPU), self._cache)
 
 
 def _same_storage(one: torch.Tensor, other: torch.Tensor) -> bool:
