@@ -323,18 +323,23 @@ def test_an_output_the_observer_cannot_walk_never_breaks_training(kind: str) -> 
     assert sink.value("last", "output_gradient", "mean", sample_id=1) == 1.0
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_an_efficient_zero_tensor_is_measured_as_the_zeros_it_stands_for(background: bool) -> None:
+@pytest.mark.parametrize("path", ["hooks", "worker", "queue"])
+def test_an_efficient_zero_tensor_is_measured_as_the_zeros_it_stands_for(path: str) -> None:
     """Autograd's memoryless zero tensor (address 0) gives the statistics of zeros.
 
     It used to raise in the hook (its storage cannot be read), and the compiled kernels would
-    have read address 0.
+    have read address 0. A small sample's tensors go to the kernels' queue (``queue``, where
+    there is one), copied there: the copy holds the zeros.
     """
     from torchinstruments_core._measure import Measurer
     from torchinstruments_core.reducers import HistogramReducer, default_reducers
 
     zero = torch._efficientzerotensor(1000)
+    background = path != "hooks"
     measurer = Measurer(default_reducers(), HistogramReducer(bins=8), background=background)
+    if path == "queue":
+        measurer.new_sample()
+        measurer._small = True  # as after a small forward sample
     try:
         measured = measurer.measure(zero, with_histogram=True)
         assert measured.settle() is None
