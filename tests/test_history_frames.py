@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import pathlib
+from typing import TYPE_CHECKING
 
 import polars as pl
 import torch
@@ -20,6 +21,9 @@ from torchinstruments_core.run_directory._tables import (
     sample_history,
 )
 from torchinstruments_core.run_directory._writer import BATCH_ROWS, ChunkWriter
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def _record(sample_id: int, *, rows: int = 3) -> SampleRecord:
@@ -77,32 +81,45 @@ def test_a_chunk_from_built_frames_equals_one_built_at_once() -> None:
     assert empty.schema == history_schema()
 
 
-def test_the_run_directory_history_matches_the_samples(tmp_path: pathlib.Path) -> None:
-    """A run written through the writer thread holds exactly the rows of its samples."""
+def _history_beside_recording(
+    folder: pathlib.Path, make: Callable[[], nn.Module], batch: tuple[int, int], steps: int
+) -> list[tuple[object, ...]]:
+    """Sample ``steps`` steps of a model into a run directory and of its twin into a recording.
+
+    Asserts that ``history.parquet`` holds the recording's rows, in order and value for value;
+    returns them.
+    """
     from torchinstruments_core.testing import RecordingSink
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    twin = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model, twin = make(), make()
     twin.load_state_dict(model.state_dict())
     recording = RecordingSink()
     observers = [
-        inject_observer(model, sampler=AlwaysSampler(), output_dir=tmp_path / "run"),
+        inject_observer(model, sampler=AlwaysSampler(), output_dir=folder),
         inject_observer(twin, sampler=AlwaysSampler(), sink=recording, run_id="x"),
     ]
-    for _ in range(4):
-        batch = torch.randn(8, 4)
-        model(batch).square().mean().backward()
-        twin(batch).square().mean().backward()
+    for _ in range(steps):
+        inputs = torch.randn(*batch)
+        model(inputs).square().mean().backward()
+        twin(inputs).square().mean().backward()
     for observer in observers:
         observer.remove()
-    history = pl.read_parquet(tmp_path / "run" / "history.parquet").sort(
-        "sample_id", maintain_order=True
-    )
+    history = pl.read_parquet(folder / "history.parquet").sort("sample_id", maintain_order=True)
     expected = [dataclasses.astuple(row) for sample in recording.samples for row in sample.rows]
     columns = ["layer", "call_index", "signal", "tensor_path", "metric"]
     assert history.select(columns).rows() == [row[:5] for row in expected]
     assert history["value"].to_list() == [row[5] for row in expected]
+    return expected
+
+
+def test_the_run_directory_history_matches_the_samples(tmp_path: pathlib.Path) -> None:
+    """A run written through the writer process holds exactly the rows of its samples."""
+
+    def small() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    assert _history_beside_recording(tmp_path / "run", small, (8, 4), 4)
 
 
 def test_a_batchs_frames_are_each_samples_own() -> None:
@@ -169,8 +186,6 @@ def test_a_run_across_many_batches_holds_every_row_and_counts_it(tmp_path: pathl
     """
     import json
 
-    from torchinstruments_core.testing import RecordingSink
-
     def tanh_mlp() -> nn.Sequential:
         widths = [16, 32, 32, 32, 8]
         layers: list[nn.Module] = []
@@ -178,29 +193,8 @@ def test_a_run_across_many_batches_holds_every_row_and_counts_it(tmp_path: pathl
             layers += [nn.Linear(width_in, width_out), nn.Tanh()]
         return nn.Sequential(*layers)
 
-    torch.manual_seed(0)
-    model, twin = tanh_mlp(), tanh_mlp()
-    twin.load_state_dict(model.state_dict())
-    recording = RecordingSink()
-    observers = [
-        inject_observer(model, sampler=AlwaysSampler(), output_dir=tmp_path / "run"),
-        inject_observer(twin, sampler=AlwaysSampler(), sink=recording, run_id="x"),
-    ]
-    for _ in range(90):
-        batch = torch.randn(4, 16)
-        model(batch).square().mean().backward()
-        twin(batch).square().mean().backward()
-    for observer in observers:
-        observer.remove()
-    rows = sum(len(sample.rows) for sample in recording.samples)
-    assert rows > 3 * BATCH_ROWS
-    history = pl.read_parquet(tmp_path / "run" / "history.parquet").sort(
-        "sample_id", maintain_order=True
-    )
-    expected = [dataclasses.astuple(row) for sample in recording.samples for row in sample.rows]
-    columns = ["layer", "call_index", "signal", "tensor_path", "metric"]
-    assert history.select(columns).rows() == [row[:5] for row in expected]
-    assert history["value"].to_list() == [row[5] for row in expected]
+    rows = _history_beside_recording(tmp_path / "run", tanh_mlp, (4, 16), 90)
+    assert len(rows) > 3 * BATCH_ROWS
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     counts = [
         entry["count"]
