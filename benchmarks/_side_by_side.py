@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from _warmup import SECONDS, warm_up
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
@@ -49,10 +51,14 @@ def rotating_ratios(
     rounds: int,
     warmup: int,
     label: str,
+    warmup_seconds: float = SECONDS,
+    warmed: Callable[[], object] | None = None,
 ) -> dict[str, list[list[float]]]:
     """Each observed copy's step times over the plain step of the same round, round by round.
 
-    ``warmup`` rounds run first and are left out; a progress line counts the rounds.
+    The warm-up runs first and is left out: at least ``warmup`` rounds and ``warmup_seconds``
+    (``_warmup.warm_up``: the run directory's writer process starts meanwhile). A progress line
+    counts the measured rounds. ``warmed`` is called once the warm-up is over.
 
     Returns:
         For each name of ``observed``, one list per measured round: the ratio of each step
@@ -66,14 +72,18 @@ def rotating_ratios(
 
     runs = {"plain": plain_step} | observed
     names = list(runs)
-    ratios: dict[str, list[list[float]]] = {name: [] for name in observed}
-    total = warmup + rounds
-    for number in range(total):
-        print(f"\r{label}: round {number + 1}/{total}", end="", flush=True)
+
+    def run_round(number: int) -> dict[str, list[float]]:
         shift = number % len(names)
-        times = {name: runs[name]() for name in names[shift:] + names[:shift]}
-        if number < warmup:
-            continue
+        return {name: runs[name]() for name in names[shift:] + names[:shift]}
+
+    first = warm_up(run_round, warmup, warmup_seconds, label)
+    if warmed is not None:
+        warmed()
+    ratios: dict[str, list[list[float]]] = {name: [] for name in observed}
+    for number in range(rounds):
+        print(f"\r{label}: round {number + 1}/{rounds}", end="", flush=True)
+        times = run_round(first + number)
         (base,) = times["plain"]
         for name in observed:
             ratios[name].append([seconds / base for seconds in times[name]])

@@ -1,6 +1,7 @@
 """What the kernels' queue gains by lingering for its next job: two queues side by side.
 
     uv run python benchmarks/queue_linger.py [--workload mnist-mlp] [--rounds 300]
+        [--warmup-seconds 3]
 
 A small sample's tensors go to the kernels' queue (``_native_worker``), whose thread sleeps when
 it has no job; a job that finds it asleep wakes it, which costs the hook a futex wake and, on a
@@ -12,7 +13,8 @@ and ``wake`` with a queue whose thread sleeps at once after each job. Each round
 of each in an order that rotates: the plain step, and for each observed copy an unsampled step,
 a sampled one and the step after it. Reported: the median of each ratio to the plain step of
 the same round, the median of the per-round difference, and how many jobs a sample had to wake
-the thread for. Then, on Linux, the processor time the queue's thread spends on one job and the
+the thread for, after a warm-up of at least ``--warmup`` rounds and ``--warmup-seconds``
+(``_warmup``). Then, on Linux, the processor time the queue's thread spends on one job and the
 whole linger after it (``/proc``), which is what lingering costs the core it runs on.
 """
 
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from _overhead_workloads import WORKLOADS, build
 from _side_by_side import observed_steps, rotating_ratios
+from _warmup import SECONDS
 
 if TYPE_CHECKING:
     from torchinstruments_core import Observer
@@ -75,7 +78,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="mnist-mlp", choices=sorted(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=10, help="rounds first, at the least")
+    parser.add_argument(
+        "--warmup-seconds", type=float, default=SECONDS, help="and at least this long"
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -96,13 +102,23 @@ def main() -> None:
         for kind, observer in observers.items():
             observer._config.measurer._native = workers[kind]
         runs = {kind: observed_steps(observers[kind], copies[kind], _SEQUENCE) for kind in copies}
+        woken = dict.fromkeys(copies, 0)
+
+        def warmed() -> None:  # the wakes of the measured rounds only
+            woken.update({kind: workers[kind].wakes() for kind in copies})
+
         ratios = rotating_ratios(
-            plain, runs, rounds=args.rounds, warmup=args.warmup, label=args.workload
+            plain,
+            runs,
+            rounds=args.rounds,
+            warmup=args.warmup,
+            warmup_seconds=args.warmup_seconds,
+            label=args.workload,
+            warmed=warmed,
         )
         sampled = {kind: [sequence[1] for sequence in ratios[kind]] for kind in copies}
         after = {kind: [sequence[2] for sequence in ratios[kind]] for kind in copies}
-        rounds = args.warmup + args.rounds  # one sample a round, warm-up included
-        wakes = {kind: workers[kind].wakes() / rounds for kind in copies}
+        wakes = {kind: (workers[kind].wakes() - woken[kind]) / args.rounds for kind in copies}
         for observer in observers.values():
             observer.remove()
     print(f"\n{WORKLOADS[args.workload].description}; {args.rounds} rounds\n")

@@ -1,7 +1,7 @@
 """What the run directory's writer costs the training thread: two sinks side by side, one process.
 
     uv run python benchmarks/writer_cost.py [--workload cnn] [--rounds 60]
-        [--a process|thread|recording] [--b recording|process|thread]
+        [--a process|thread|recording] [--b recording|process|thread] [--warmup-seconds 3]
 
 Three copies of a workload (same seed, weights and batches) live in one process: one plain, and
 two observed with the default profile, one writing to sink ``a``, the other to sink ``b``:
@@ -12,6 +12,9 @@ of each in an order that rotates: the plain step, and for each observed copy a s
 followed by its next (unsampled) step, where what a sample leaves behind lands. Reported: the
 median of each ratio to the plain step of the same round, and the median and mean of the
 per-round difference between ``a`` and ``b``, which is what sink ``a`` costs beyond sink ``b``.
+The rounds are timed after a warm-up of at least ``--warmup`` rounds and ``--warmup-seconds``
+(``_warmup``): a run directory's writer process starts meanwhile, and a sample that waits for
+it would count against the writer. Runs before 2026-12-05 warmed up for three rounds only.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from _overhead_workloads import WORKLOADS, build
 from _side_by_side import observed_steps, rotating_ratios
+from _warmup import SECONDS
 
 if TYPE_CHECKING:
     from torchinstruments_core import Observer
@@ -46,7 +50,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="cnn", choices=sorted(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3, help="rounds first, at the least")
+    parser.add_argument(
+        "--warmup-seconds", type=float, default=SECONDS, help="and at least this long"
+    )
     parser.add_argument("--a", choices=SINKS, default="process")
     parser.add_argument("--b", choices=SINKS, default="recording")
     parser.add_argument("--threads", type=int, default=1)
@@ -69,6 +76,7 @@ def main() -> None:
             {kind: observed_steps(observers[kind], copies[kind], (True, False)) for kind in copies},
             rounds=args.rounds,
             warmup=args.warmup,
+            warmup_seconds=args.warmup_seconds,
             label=args.workload,
         )
         sampled = {kind: [sequence[0] for sequence in ratios[kind]] for kind in copies}
