@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import subprocess
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +28,13 @@ from torchinstruments_core import (
 from torchinstruments_core._exceptions import RunDirectoryExistsError
 from torchinstruments_core._signals import Signal
 from torchinstruments_core.reducers import DEFAULT_METRICS
-from torchinstruments_core.run_directory import QUERIES, QUERY_PRELUDE, RunDirectorySink
+from torchinstruments_core.run_directory import (
+    QUERIES,
+    QUERY_PRELUDE,
+    RunDirectorySink,
+    history_schema,
+    samples_schema,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -171,6 +179,49 @@ def test_result_json_counts_unavailable_values_with_reasons(tmp_path: pathlib.Pa
     assert mean["unavailable_reasons"] == {"no_finite_values": 3}
     assert mean["mean"] is None
     assert result["layers"][1]["measurements"][0]["metrics"]["nonfinite_fraction"]["mean"] == 1.0
+
+
+def test_index_md_shows_each_column_s_dtype_as_polars_prints_it(
+    finished_run: pathlib.Path,
+) -> None:
+    """index.md's schema tables, written without polars, show polars' own dtypes."""
+    index = (finished_run / "index.md").read_text()
+    for schema in (history_schema(), samples_schema()):
+        for name, dtype in schema.items():
+            assert f"| `{name}` | {dtype} |" in index
+    assert "| `timestamp` | Datetime(time_unit='us', time_zone='UTC') |" in index
+
+
+def test_a_run_imports_no_polars_in_the_training_process_until_it_ends(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Sampled steps never import polars where the model trains; finishing the run does.
+
+    The run directory opens in the first sampled forward, on the training thread: importing
+    polars there (for index.md's schema tables) held that step up for about half a second.
+    """
+    code = f"""
+import sys, torch
+from torch import nn
+from torchinstruments_core import inject_observer
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+observer = inject_observer(model, output_dir={str(tmp_path / "run")!r})
+for step in range(4):
+    observer.begin_step(step, sample=True)
+    model(torch.randn(3, 4)).sum().backward()
+    observer.end_step()
+observer.flush()
+print("during", "polars" in sys.modules)
+observer.remove()
+print("after", "polars" in sys.modules)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert result.stdout.split() == ["during", "False", "after", "True"]
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    assert history.schema == history_schema()
+    assert history["sample_id"].n_unique() == 4
 
 
 def test_index_md_queries_run_against_the_run(

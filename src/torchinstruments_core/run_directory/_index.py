@@ -18,7 +18,11 @@ from torchinstruments_core.run_directory._signal_docs import (
     signals_section,
     tensor_path_meaning,
 )
-from torchinstruments_core.run_directory._tables import history_schema, samples_schema
+from torchinstruments_core.run_directory._tables import (
+    HISTORY_COLUMNS,
+    SAMPLES_COLUMNS,
+    dtype_text,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -250,15 +254,15 @@ def _files() -> str:
 
 def _schema() -> str:
     lines = ["## Schema of history.parquet", "", "| column | dtype | meaning |", "|---|---|---|"]
-    for name, dtype in history_schema().items():
-        lines.append(f"| `{name}` | {dtype} | {_MEANINGS[name]} |")
+    for name, dtype in HISTORY_COLUMNS.items():
+        lines.append(f"| `{name}` | {dtype_text(dtype)} | {_MEANINGS[name]} |")
     return "\n".join(lines)
 
 
 def _samples_schema() -> str:
     lines = ["## Schema of samples.parquet", "", "| column | dtype | meaning |", "|---|---|---|"]
-    for name, dtype in samples_schema().items():
-        lines.append(f"| `{name}` | {dtype} | {_SAMPLE_MEANINGS.get(name, '')} |")
+    for name, dtype in SAMPLES_COLUMNS.items():
+        lines.append(f"| `{name}` | {dtype_text(dtype)} | {_SAMPLE_MEANINGS.get(name, '')} |")
     return "\n".join(lines)
 
 
