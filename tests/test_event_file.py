@@ -78,9 +78,9 @@ def test_event_file_holds_the_values_summary_writer_writes(tmp_path: pathlib.Pat
     """Through ``SummaryWriterTarget``, an EventFile and a SummaryWriter write the same values.
 
     Scalars, histograms and text, at the same steps and in the same order, byte for byte; the
-    values added at one step share one event (``SummaryWriter`` makes one per value). The first
-    event is the file version, naming this module as the writer. The file is named like
-    TensorBoard's.
+    values added at one step share one event (the target gives torch's ``SummaryWriter`` a
+    call's values as one event too). The first event is the file version, naming this module
+    as the writer. The file is named like TensorBoard's.
     """
     from torch.utils.tensorboard import SummaryWriter
 
@@ -89,7 +89,7 @@ def test_event_file_holds_the_values_summary_writer_writes(tmp_path: pathlib.Pat
     ours, theirs = _events(tmp_path / "ours"), _events(tmp_path / "theirs")
     assert ours[0].file_version == theirs[0].file_version == "brain.Event:2"
     assert ours[0].source_metadata.writer == "torchinstruments_core.run_directory._event_file"
-    assert len(theirs) == 1 + 3 * 4 + 1
+    assert len(theirs) == 1 + 3 + 1
     assert [event.step for event in ours[1:]] == [0, 10, 20, 20]  # the text came after a flush
 
     def values(events: list[Any]) -> list[tuple[int, bytes]]:
@@ -117,6 +117,71 @@ def test_every_value_of_a_shared_event_reaches_tensorboard(tmp_path: pathlib.Pat
     assert [h.step for h in histograms] == [3, 4]
     expected = [sum(_histogram(step, 64).counts) for step in (3, 4)]
     assert [h.histogram_value.num for h in histograms] == expected
+
+
+def _logging_writer(folder: pathlib.Path) -> Any:
+    """A subclass of torch's ``SummaryWriter`` that notes the tag of each value it is given."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    class LoggingWriter(SummaryWriter):
+        def __init__(self, log_dir: str) -> None:
+            super().__init__(log_dir=log_dir)
+            self.calls: list[str] = []
+
+        def add_scalar(self, tag: str, *args: Any, **kwargs: Any) -> None:
+            self.calls.append(tag)
+            super().add_scalar(tag, *args, **kwargs)
+
+        def add_histogram_raw(self, tag: str, *args: Any, **kwargs: Any) -> None:
+            self.calls.append(tag)
+            super().add_histogram_raw(tag, *args, **kwargs)
+
+    return LoggingWriter(str(folder))
+
+
+def test_summary_writer_gets_a_call_s_values_as_one_event(tmp_path: pathlib.Path) -> None:
+    """The SummaryWriter of torch gets one event a call, holding what it makes value by value.
+
+    A subclass (which may do more in ``add_scalar``) is called value by value, an event each;
+    both files hold the same values, byte for byte, and TensorBoard's reader gives each.
+    """
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    subclass = _logging_writer(tmp_path / "subclass")
+    _write(SummaryWriter(log_dir=str(tmp_path / "torch")))
+    _write(subclass)
+    merged, separate = _events(tmp_path / "torch"), _events(tmp_path / "subclass")
+    assert [len(event.summary.value) for event in merged[1:]] == [4, 4, 4, 1]
+    assert [len(event.summary.value) for event in separate[1:]] == [1] * (3 * 4 + 1)
+    assert subclass.calls[:4] == [
+        "telemetry/a/output/rms",
+        "telemetry/nonfinite_tensors",
+        "telemetry/a/output/histogram",
+        "telemetry/b/output/histogram",
+    ]
+
+    def values(events: list[Any]) -> list[tuple[int, bytes]]:
+        return [(e.step, v.SerializeToString()) for e in events[1:] for v in e.summary.value]
+
+    assert values(merged) == values(separate)
+    accumulator = EventAccumulator(str(tmp_path / "torch"), size_guidance={"histograms": 0})
+    accumulator.Reload()
+    rms = [(e.step, e.value) for e in accumulator.Scalars("telemetry/a/output/rms")]
+    assert rms == [(0, 0.5), (10, 1.5), (20, 2.5)]
+    histograms = accumulator.Histograms("telemetry/b/output/histogram")
+    assert [h.step for h in histograms] == [0, 10, 20]
+    assert [len(h.histogram_value.bucket) for h in histograms] == [1000] * 3
+
+
+def test_an_empty_call_writes_no_event(tmp_path: pathlib.Path) -> None:
+    """A call with neither scalars nor histograms adds nothing to torch's writer's file."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(tmp_path))
+    SummaryWriterTarget(writer).log({}, {}, 3)
+    writer.close()
+    assert len(_events(tmp_path)) == 1  # the file version only
 
 
 def test_events_are_readable_at_each_flush(tmp_path: pathlib.Path) -> None:

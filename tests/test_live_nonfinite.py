@@ -268,6 +268,39 @@ def test_a_lasting_non_finite_loss_triggers_once() -> None:
     assert sampled == [4, 5, 10, 11, 12]
 
 
+def test_a_cpu_loss_is_read_at_once_without_a_tensor_op() -> None:
+    """A CPU loss's one value is read in ``check_loss``: no ``isfinite`` tensor, nothing pending.
+
+    Its non-finite value samples the next steps as a float's does; a loss that requires grad
+    and a one-element loss of another shape are read alike.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    watch = _watch("warn", dense=2)
+    weight = torch.tensor([2.0], requires_grad=True)
+    watch.begin_step(3)
+    loss = (weight * float("nan")).sum()
+    with Ops() as ops:
+        watch.check_loss(loss)
+    assert ops.names == ["aten._local_scalar_dense"]
+    assert watch._loss is None
+    assert [watch.begin_step(s) for s in (4, 5, 6)] == [True, True, False]
+    watch.check_loss(torch.tensor(1.0))  # finite again: the episode ends
+    watch.begin_step(7)
+    watch.check_loss(torch.tensor([[float("inf")]]))
+    assert watch._loss is None
+    assert watch.begin_step(8) is True
+
+
 def test_check_logged_reads_only_loss_keys() -> None:
     """Only values under a key containing ``loss`` (any case) are checked."""
     watch = _watch("warn", dense=1)
