@@ -1,6 +1,7 @@
 """This checkout's observer against another revision's, in one process, step against step.
 
     uv run python benchmarks/versus.py [--baseline HEAD] [--workload mnist-mlp] [--rounds 300]
+        [--optimizer]
 
 Two processes on a shared machine differ in speed by more than most changes to the observer
 (``paired.py``'s docstring), so a change is measured here inside one process: the observer of
@@ -8,7 +9,9 @@ this working tree and the one of ``--baseline`` (a git revision, ``HEAD`` by def
 working tree's uncommitted changes against the last commit) each observe their own copy of the
 workload, beside a plain copy. Every round runs a sampled step of each observed copy, followed
 by its next (unsampled) step, and a plain step, in an order that rotates every round; each is
-divided by the round's plain step.
+divided by the round's plain step. With ``--optimizer`` each observer is given its copy's
+optimizer, so that a sampled step also records the optimizer step signals (as the adapters'
+defaults do).
 
 The baseline's ``torchinstruments_core`` is read out of git into a temporary folder under
 another name (``ti_baseline``, every import renamed), so that both import side by side; its
@@ -85,14 +88,18 @@ def baseline_package(revision: str, folder: Path) -> Any:
 
 
 def measure(
-    name: str, packages: dict[str, Any], rounds: int, warmup: int
+    name: str, packages: dict[str, Any], rounds: int, warmup: int, *, optimizer: bool = False
 ) -> dict[str, list[float]]:
     """Each configuration's step over the round's plain step, ``rounds`` rounds."""
     plain = build(name, torch.device("cpu"))
     copies = {label: build(name, torch.device("cpu")) for label in packages}
     folders = {label: tempfile.mkdtemp(prefix=f"versus-{label}-") for label in packages}
     observers = {
-        label: package.inject_observer(copies[label].model, output_dir=Path(folders[label]) / "run")
+        label: package.inject_observer(
+            copies[label].model,
+            output_dir=Path(folders[label]) / "run",
+            optimizer=copies[label].optimizer if optimizer else None,
+        )
         for label, package in packages.items()
     }
     number = 0
@@ -151,6 +158,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=100, help="rounds, and at least 3 s")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--optimizer", action="store_true", help="also record the optimizer step signals"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import torchinstruments_core
@@ -160,7 +170,10 @@ def main() -> None:
             "this checkout": torchinstruments_core,
             args.baseline: baseline_package(args.baseline, Path(folder)),
         }
-        print(f"\nthis checkout against {args.baseline}, one process, {args.rounds} rounds")
+        signals = ", optimizer step signals" if args.optimizer else ""
+        print(
+            f"\nthis checkout against {args.baseline}, one process, {args.rounds} rounds{signals}"
+        )
         print(f"{torch.get_num_threads()} thread(s), torch {torch.__version__}\n")
         print(
             "| workload | plain step (ms) | this checkout: sampled | the step after |"
@@ -169,7 +182,7 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|---|---|")
         for name in args.workload:
-            ratios = measure(name, packages, args.rounds, args.warmup)
+            ratios = measure(name, packages, args.rounds, args.warmup, optimizer=args.optimizer)
             ours, theirs = ratios["this checkout"], ratios[args.baseline]
             apart = statistics.median(ours) - statistics.median(theirs)
             difference = statistics.median(a - b for a, b in zip(ours, theirs, strict=True))

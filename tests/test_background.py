@@ -456,12 +456,16 @@ def test_by_default_the_worker_runs_only_where_a_core_is_free(monkeypatch: Any) 
 
 
 def _submits_per_step(
-    monkeypatch: Any, model: nn.Module, batch: torch.Tensor, **options: Any
+    monkeypatch: Any,
+    model: nn.Module,
+    batch: torch.Tensor,
+    optimizer: torch.optim.Optimizer | None = None,
+    **options: Any,
 ) -> tuple[list[int], RecordingSink, list[int]]:
     """Jobs handed to the worker in each of three sampled steps, a core free (``None``).
 
     Also those handed to the kernels' queue (``NativeWorker``, each ``ProfileJob`` started), in
-    the third list.
+    the third list. With ``optimizer`` each step ends with its step, recorded.
     """
     import torchinstruments_core._measure as measure_module
 
@@ -482,12 +486,17 @@ def _submits_per_step(
     monkeypatch.setattr(ReductionWorker, "submit", counted)
     monkeypatch.setattr(ProfileJob, "start", counted_native)
     sink = RecordingSink()
-    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, **options) as observer:
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer, **options
+    ) as observer:
         for step in range(3):
             counts.append(0)
             native.append(0)
             observer.begin_step(step, sample=True)
             model(batch).pow(2).mean().backward()
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad()
             observer.end_step()
     return counts, sink, native
 
@@ -601,6 +610,43 @@ def test_a_sample_past_the_small_size_keeps_the_worker(monkeypatch: Any) -> None
     assert all(count >= 4 for count in counts)
 
 
+def test_a_step_records_tensors_go_to_the_kernels_queue_and_not_into_the_samples_size(
+    monkeypatch: Any,
+) -> None:
+    """A step record's tensors take the kernels' queue, whatever the size of the samples.
+
+    The optimizer changes a parameter as soon as it is measured, so a step's tensors are copied
+    wherever they go; on the queue they are reduced without the GIL. Nor do they count toward
+    the size of the next forward sample (``SMALL_SAMPLE_ENTRIES`` weighs what copying the
+    activations and gradients costs the hooks): a model of a million parameters and small
+    activations has its forward samples on the queue from the second on. The values are
+    those of the hooks (``background_reductions=False``).
+    """
+    from torchinstruments_core._measure import SMALL_SAMPLE_ENTRIES
+
+    if not NativeWorker.available():
+        pytest.skip("the kernels have no queue here")
+
+    def run(**options: Any) -> tuple[list[int], RecordingSink, list[int]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        batch = torch.randn(2, 1024, generator=torch.Generator().manual_seed(1))
+        return _submits_per_step(monkeypatch, model, batch, optimizer, **options)
+
+    counts, sink, native = run()
+    assert SMALL_SAMPLE_ENTRIES < 4 * 1024 * 1024  # the weight, its gradient, update, momentum
+    forward = 4  # the Linear's and the ReLU's outputs and their gradients
+    assert counts[0] == forward  # the first forward sample: nothing known yet, on the worker
+    assert counts[1:] == [0, 0]  # the later ones, and every step record, on the queue
+    step = 8  # the weight and the bias, their gradients, updates and momentum buffers
+    assert native == [step, forward + step, forward + step]
+    _, hooks, hooks_native = run(background_reductions=False)
+    assert hooks_native == [0, 0, 0]
+    assert [s.rows for s in sink.samples] == [s.rows for s in hooks.samples]
+    assert [s.histograms for s in sink.samples] == [s.histograms for s in hooks.samples]
+
+
 def test_switching_between_the_hooks_and_the_worker_keeps_the_values(monkeypatch: Any) -> None:
     """Samples that alternate in size switch between the two, with the values of either alone.
 
@@ -654,8 +700,8 @@ def test_switching_between_the_hooks_and_the_worker_keeps_the_values(monkeypatch
 def test_the_size_of_a_sample_decides_only_at_the_start_of_the_next_forward_sample() -> None:
     """``new_sample(forward=True)`` decides from what was measured since the last one started.
 
-    A step record's ``new_sample()`` neither decides nor forgets: its tensors count towards the
-    forward sample they follow.
+    A step record's ``new_sample()`` neither decides nor forgets; a step record's own tensors
+    (``step=True``) do not count, any other tensor does.
     """
     measurer = Measurer(default_reducers(), HistogramReducer())
     decisions = []
@@ -663,6 +709,7 @@ def test_the_size_of_a_sample_decides_only_at_the_start_of_the_next_forward_samp
     measurer.new_sample(forward=True)
     decisions.append(measurer._small)  # small: in the hooks
     measurer.measure(torch.randn(1000), with_histogram=False)
+    measurer.measure(torch.randn(2**19), with_histogram=False, step=True)
     measurer.new_sample()  # a step record closing
     measurer.measure(torch.randn(2**19), with_histogram=False)
     decisions.append(measurer._small)  # decided at forward starts only

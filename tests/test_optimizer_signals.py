@@ -7,10 +7,12 @@ recorded value is checked against statistics of those copies.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from optimizer_helpers import (
     MODEL,
@@ -268,3 +270,32 @@ def test_a_closure_is_measured_after_it_ran() -> None:
     assert [r.step for r in records] == [0, 1]
     for record, copies in zip(records, reference.steps, strict=True):
         _check_parameters(record, copies)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_whole_model_row_counts_non_finite_and_zero_gradient_entries(dtype: torch.dtype) -> None:
+    """A NaN, an infinity and zeros the optimizer is handed show in the whole-model row.
+
+    The loop puts them in the gradients between the backward and the step; the row's counts
+    are torch's of the gradients the optimizer used.
+    """
+    torch.manual_seed(0)
+    first, last = nn.Linear(4, 8), nn.Linear(8, 3)
+    model = nn.Sequential(first, nn.Tanh(), last).to(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    reference = Reference(optimizer, parameter_names(model))
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+        model(torch.randn(16, 4, dtype=dtype)).square().mean().backward()
+        assert first.weight.grad is not None
+        assert last.bias.grad is not None
+        first.weight.grad.view(-1)[:3] = torch.tensor([math.nan, 0.0, 0.0])
+        last.bias.grad.view(-1)[:3] = torch.tensor([math.inf, -0.0, -0.0])
+        optimizer.step()
+    (record,) = step_records(sink)
+    gradients = list(reference.steps[0].gradient.values())
+    rows = values_of(record)
+    assert rows[(MODEL, "parameter_gradient", "*", "nonfinite_count")] == 2
+    zeros = sum(int((g == 0).sum()) for g in gradients)
+    assert zeros >= 4
+    assert rows[(MODEL, "parameter_gradient", "*", "zero_count")] == zeros

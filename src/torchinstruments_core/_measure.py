@@ -131,8 +131,8 @@ class Measurer:
         A new mapping, not a cleared one: the workers' jobs of the previous sample keep theirs.
         The lists of shared tensors of threads that have none left are dropped. A ``forward``
         sample starting decides, from the CPU entries measured since the last one started
-        (step records' included), whether what is measured until the next one starts leaves
-        the Python worker (``SMALL_SAMPLE_ENTRIES``).
+        (a step record's, ``measure(step=True)``, left out), whether what is measured until
+        the next one starts leaves the Python worker (``SMALL_SAMPLE_ENTRIES``).
         """
         if forward:
             self._small = 0 < self._entries <= SMALL_SAMPLE_ENTRIES
@@ -204,6 +204,7 @@ class Measurer:
         scale: float | torch.Tensor | None = None,
         shared: bool = False,
         changed: Callable[[], None] | None = None,
+        step: bool = False,
     ) -> Measurement:
         """Reduce ``tensor`` (divided by ``scale`` when given, on the tensor's device).
 
@@ -223,10 +224,17 @@ class Measurer:
         ``modified_in_place`` instead of mixing old and new entries, and ``changed()`` is
         called, on the thread that checked. Only a tensor whose changes would show in its
         version is shared (``shareable``).
+
+        ``step`` marks a step record's tensor (``_step_records``): it is never read in place
+        (the optimizer changes a parameter as soon as it is measured), so it goes to the
+        kernels' queue, which copies it as the Python worker would but reduces it without
+        the GIL, whatever the size of the sample; and it does not count toward the size of
+        the next forward sample (``SMALL_SAMPLE_ENTRIES`` weighs what copying a sample's
+        activations and gradients costs its hooks).
         """
         if (  # a small sample's plain float CPU tensor, nearly all of one: checked here, inline
             scale is None
-            and self._small
+            and (self._small or step)
             and type(tensor) is torch.Tensor
             and tensor.dtype in _QUEUED_DTYPES
             and tensor.is_cpu
@@ -237,7 +245,7 @@ class Measurer:
         ):
             numel = tensor.numel()
             if numel and self._in_background(tensor, None):
-                self._entries += numel
+                self._entries += 0 if step else numel
                 detached = tensor.detach() if tensor.requires_grad else tensor
                 return self._queue(detached, numel, tensor.dtype, with_histogram)
         self._let_go()
@@ -251,8 +259,9 @@ class Measurer:
         on_cpu = plain.is_cpu
         if on_cpu:
             numel = plain.numel()
-            self._entries += numel
-            if scale is None and self.queues and self._in_background(plain, scale):
+            self._entries += 0 if step else numel
+            queues = self.queues or (step and self._native is not None)
+            if scale is None and queues and self._in_background(plain, scale):
                 dtype = working_dtype(plain.dtype)  # a narrower one's, or a subclass's
                 return self._queue(plain, numel, dtype, with_histogram)
         measurement = Measurement(None, self.metrics, changed=changed)

@@ -427,14 +427,15 @@ def measure_site(
     *,
     shared: bool = False,
     changed: Callable[[], None] | None = None,
+    step: bool = False,
 ) -> Measurement:
     """Reduce ``tensor`` on its device, reporting each failing reducer with where it failed.
 
     ``shared``: nothing changes ``tensor`` in place after the hook; ``changed``: called if
-    something did (``Measurer.measure``).
+    something did; ``step``: a step record's tensor (``Measurer.measure``).
     """
     measurement = measurer.measure(
-        tensor, with_histogram=histogram, scale=scale, shared=shared, changed=changed
+        tensor, with_histogram=histogram, scale=scale, shared=shared, changed=changed, step=step
     )
     measurement.then(functools.partial(_report_errors, failures, site))
     return measurement

@@ -133,7 +133,13 @@ class StepRecorder:
                 record.add(site, _scalars(item))
             else:
                 measurement = measure_site(
-                    self._measurer, self._failures, item.tensor, site, item.histogram, item.scale
+                    self._measurer,
+                    self._failures,
+                    item.tensor,
+                    site,
+                    item.histogram,
+                    item.scale,
+                    step=True,
                 )
                 if item.extra_metrics:
                     measurement.then(functools.partial(_add_extra, item.extra_metrics))
