@@ -625,8 +625,9 @@ def test_a_small_model_goes_to_the_kernels_queue_after_its_first_sample(
     """BoringModel under a real Trainer, a core free, ``background_reductions=None`` (default).
 
     Its samples are small (``SMALL_SAMPLE_ENTRIES``): the first goes to the worker, the later
-    ones to the kernels' reduction queue (in the hooks where the kernels have none); the history
-    equals the one reduced in the hooks throughout.
+    ones to the kernels' reduction queue (in the hooks where the kernels have none); the step
+    records' tensors go to the queue from the first on. The history equals the one reduced in
+    the hooks throughout.
     """
     import torchinstruments_core._measure as measure_module
 
@@ -665,8 +666,12 @@ def test_a_small_model_goes_to_the_kernels_queue_after_its_first_sample(
             assert len(per_sample) == 3
             assert per_sample[0] > 0
             assert per_sample[1:] == [0, 0]
-            later = [per_sample[0]] * 2 if NativeWorker.available() else [0, 0]
-            assert queued == [0, *later]  # each later sample's tensors, all on the queue
+            if NativeWorker.available():
+                forward, step = per_sample[0], queued[0]  # the first sample's, the step's
+                assert step == 6  # the weight and the bias, their gradients and updates
+                assert queued == [step, forward + step, forward + step]
+            else:  # the first step record's tensors on the worker, the later ones in the hooks
+                assert queued == [0, 0, 0]
         history = _history(root).sort(["step", "layer", "signal", "tensor_path", "metric"])
         found[background] = history.select(
             ["step", "layer", "signal", "tensor_path", "metric", "value"]
