@@ -647,6 +647,59 @@ def test_a_step_records_tensors_go_to_the_kernels_queue_and_not_into_the_samples
     assert [s.histograms for s in sink.samples] == [s.histograms for s in hooks.samples]
 
 
+def test_a_step_record_copies_only_the_gradients(monkeypatch: Any) -> None:
+    """The gradients are the only tensors of a step record copied for the reductions.
+
+    The optimizer changes a parameter as soon as it is measured, but the copy its update needs
+    holds the same values: the parameter is reduced from that copy, the update is formed in it
+    once that reduction has run, and it and the optimizer's state, measured after the update,
+    are reduced where they are (the record is delivered before the post-hook returns). A
+    gradient is handed to foreign code (the optimizer's step) before its reduction settles,
+    so it is copied. The values are those of the hooks.
+    """
+    import torchinstruments_core._background as background_module
+    import torchinstruments_core._measure as measure_module
+
+    monkeypatch.setattr(measure_module, "free_core", lambda: True)
+    weight = 512 * 512
+    copied: list[int] = []
+    flat_copy = background_module.flat_copy
+
+    def counted(plain: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        if plain.numel() == weight:
+            copied[-1] += 1
+        return flat_copy(plain, buffer)
+
+    monkeypatch.setattr(background_module, "flat_copy", counted)  # the queue's one-call copies
+    monkeypatch.setattr(measure_module, "flat_copy", counted)  # the workers' other copies
+    sinks = []
+    for background_reductions in (None, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(512, 512), nn.Tanh())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        sinks.append(RecordingSink())
+        copied.clear()
+        with inject_observer(
+            model,
+            sampler=AlwaysSampler(),
+            sink=sinks[-1],
+            optimizer=optimizer,
+            background_reductions=background_reductions,
+        ) as observer:
+            for step in range(3):
+                copied.append(0)
+                observer.begin_step(step, sample=True)
+                model(torch.randn(2, 512, generator=torch.Generator().manual_seed(step)))
+                model[0].weight.grad = torch.randn(512, 512)  # a gradient of its own: no graph
+                optimizer.step()
+                optimizer.zero_grad()
+                observer.end_step()
+        if background_reductions is None:
+            assert copied == [1, 1, 1]  # the weight's gradient, never its value, update, moments
+    assert [s.rows for s in sinks[0].samples] == [s.rows for s in sinks[1].samples]
+    assert [s.histograms for s in sinks[0].samples] == [s.histograms for s in sinks[1].samples]
+
+
 def test_switching_between_the_hooks_and_the_worker_keeps_the_values(monkeypatch: Any) -> None:
     """Samples that alternate in size switch between the two, with the values of either alone.
 

@@ -299,3 +299,40 @@ def test_whole_model_row_counts_non_finite_and_zero_gradient_entries(dtype: torc
     zeros = sum(int((g == 0).sum()) for g in gradients)
     assert zeros >= 4
     assert rows[(MODEL, "parameter_gradient", "*", "zero_count")] == zeros
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+        lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    ],
+    ids=["AdamW", "Adam-amsgrad", "SGD-momentum"],
+)
+def test_step_rows_off_the_hooks_equal_those_in_them(make: Any) -> None:
+    """Reduced on the workers, every step row is what the hooks give, and matches float64 copies.
+
+    Off the hooks (``background_reductions=True``) a parameter is reduced from the copy its
+    update is then formed in, and the update and the optimizer's state where they are; three
+    steps, each checked against the test's float64 copies.
+    """
+    records = {}
+    for background_reductions in (True, False):
+        model = float64_mlp()
+        optimizer = make(model.parameters())
+        reference = Reference(optimizer, parameter_names(model))
+        sink = RecordingSink()
+        with inject_observer(
+            model,
+            sampler=AlwaysSampler(),
+            sink=sink,
+            optimizer=optimizer,
+            background_reductions=background_reductions,
+        ):
+            train(model, [optimizer], steps=3)
+        records[background_reductions] = step_records(sink)
+        for record, copies in zip(records[background_reductions], reference.steps, strict=True):
+            _check_parameters(record, copies)
+    assert [r.rows for r in records[True]] == [r.rows for r in records[False]]
+    assert [r.histograms for r in records[True]] == [r.histograms for r in records[False]]

@@ -343,6 +343,14 @@ class SampleLifecycle:
         """Reduce ``tensors`` into the open step record ``record``, on their devices."""
         self._steps.measure(record, tensors, writes=id(record) not in self._joining)
 
+    def wait_for_reductions(self) -> None:
+        """Block until the workers have reduced every tensor handed to them (``Measurer.wait``).
+
+        A step record's parameters are measured from the copies their updates are then formed
+        in (``_step_tensors``): the post-hook waits here first.
+        """
+        self._measurer.wait()
+
     def deliver_step(self, record: Sample) -> None:
         """Close the step record: its values start crossing to the host, then reach the sink.
 

@@ -205,6 +205,7 @@ class Measurer:
         shared: bool = False,
         changed: Callable[[], None] | None = None,
         step: bool = False,
+        in_place: bool = False,
     ) -> Measurement:
         """Reduce ``tensor`` (divided by ``scale`` when given, on the tensor's device).
 
@@ -230,7 +231,10 @@ class Measurer:
         kernels' queue, which copies it as the Python worker would but reduces it without
         the GIL, whatever the size of the sample; and it does not count toward the size of
         the next forward sample (``SMALL_SAMPLE_ENTRIES`` weighs what copying a sample's
-        activations and gradients costs its hooks).
+        activations and gradients costs its hooks). ``in_place`` says that nothing changes
+        ``tensor`` until its measurement settles (an update, the optimizer's state after the
+        update, a parameter's copy taken for its update: see ``_step_tensors``): a worker then
+        reads it where it is, without a copy, where it is contiguous and in its working dtype.
         """
         if (  # a small sample's plain float CPU tensor, nearly all of one: checked here, inline
             scale is None
@@ -247,6 +251,11 @@ class Measurer:
             if numel and self._in_background(tensor, None):
                 self._entries += 0 if step else numel
                 detached = tensor.detach() if tensor.requires_grad else tensor
+                if in_place:
+                    measurement = Measurement(None, self.metrics)
+                    return self._hand_over(
+                        detached, measurement, with_histogram, owned=True, shared=False, queue=True
+                    )
                 return self._queue(detached, numel, tensor.dtype, with_histogram)
         self._let_go()
         shared = shared and not self.queues and shareable(tensor, groups=self.process_groups())
@@ -271,9 +280,8 @@ class Measurer:
                 self._worker.wait()
             self._fill(plain, measurement, with_histogram, self._index_cache, plain.dtype)
             return measurement
-        return self._hand_over(
-            plain, measurement, with_histogram, owned=scale is not None, shared=shared
-        )
+        owned = scale is not None or in_place  # the division by a scale made it, or nobody
+        return self._hand_over(plain, measurement, with_histogram, owned=owned, shared=shared)
 
     def _queue(
         self, plain: torch.Tensor, numel: int, dtype: torch.dtype, with_histogram: bool
@@ -307,16 +315,18 @@ class Measurer:
         *,
         owned: bool,
         shared: bool,
+        queue: bool = False,
     ) -> Measurement:
         """Queue ``plain``'s job on a worker; ``measurement`` is filled in when it has run.
 
         A small sample's tensors go to the kernels' queue, a larger one's to the Python worker
-        (``SMALL_SAMPLE_ENTRIES``). ``owned``: nobody else holds ``plain`` (the division by a
-        scale made it); ``shared``: see ``measure``. A copy that fails (out of memory) gives a
-        measurement with its reason instead of a job.
+        (``SMALL_SAMPLE_ENTRIES``); with ``queue``, to the kernels' queue where there is one.
+        ``owned``: nothing changes ``plain`` until the measurement settles (the division by a
+        scale made it, or ``measure``'s ``in_place``); ``shared``: see ``measure``. A copy that
+        fails (out of memory) gives a measurement with its reason instead of a job.
         """
         nbytes = plain.numel() * working_dtype(plain.dtype).itemsize
-        native = self._native if self._small else None
+        native = self._native if self._small or queue else None
         try:
             if native is not None:
                 measurement.ticket = native.submit(

@@ -209,6 +209,8 @@ class OptimizerProbe:
             return
         self._stepping = False
         try:
+            if pending.copies:  # parameters measured from their copies: formed into updates next
+                self._lifecycle.wait_for_reductions()
             self._lifecycle.measure_step(pending.record, updates(pending.copies))
             if Signal.OPTIMIZER_STATE in self._signals:
                 states = optimizer_state(optimizer, self._parameters)

@@ -428,14 +428,22 @@ def measure_site(
     shared: bool = False,
     changed: Callable[[], None] | None = None,
     step: bool = False,
+    in_place: bool = False,
 ) -> Measurement:
     """Reduce ``tensor`` on its device, reporting each failing reducer with where it failed.
 
     ``shared``: nothing changes ``tensor`` in place after the hook; ``changed``: called if
-    something did; ``step``: a step record's tensor (``Measurer.measure``).
+    something did; ``step``: a step record's tensor; ``in_place``: nothing changes it until
+    the measurement settles (``Measurer.measure``).
     """
     measurement = measurer.measure(
-        tensor, with_histogram=histogram, scale=scale, shared=shared, changed=changed, step=step
+        tensor,
+        with_histogram=histogram,
+        scale=scale,
+        shared=shared,
+        changed=changed,
+        step=step,
+        in_place=in_place,
     )
     measurement.then(functools.partial(_report_errors, failures, site))
     return measurement

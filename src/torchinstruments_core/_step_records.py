@@ -47,6 +47,11 @@ class StepTensor:
         extra_metrics: Further metrics of the tensor, each a device scalar computed by the
             caller (``update_to_weight`` on an update), as ``(metric, value)`` pairs.
         scale: Measure the tensor divided by this (a loss scale), on its device.
+        in_place: Nothing changes the tensor until the step record is delivered, so it is
+            reduced where it is, without a copy (``Measurer.measure``): an update, the
+            optimizer's state after the update (the post-hook measures them and delivers the
+            record before it returns), a parameter's copy taken for its update (waited for
+            before the update is formed in it, ``_step_tensors.updates``).
 
     Raises:
         ConfigurationError: ``signal`` belongs to forward samples.
@@ -59,6 +64,7 @@ class StepTensor:
     histogram: bool = False
     extra_metrics: tuple[tuple[str, torch.Tensor], ...] = ()
     scale: torch.Tensor | None = None
+    in_place: bool = False
 
     def __post_init__(self) -> None:
         if Signal(self.signal).kind is not RecordKind.STEP:
@@ -140,6 +146,7 @@ class StepRecorder:
                     item.histogram,
                     item.scale,
                     step=True,
+                    in_place=item.in_place,
                 )
                 if item.extra_metrics:
                     measurement.then(functools.partial(_add_extra, item.extra_metrics))

@@ -7,7 +7,10 @@ After the update (the step post-hook): each parameter's change (``update``, with
 ``update_to_weight``), the whole update's norm, and the optimizer's state (``optimizer_state``).
 
 The copies are the only memory this holds across the update: one copy of the observed parameters
-that have a gradient, in their own dtype, each freed as soon as its update is measured.
+that have a gradient, in their own dtype, each let go as soon as its update is measured (the
+reduction reading it holds it until it has run). A parameter with such a copy is measured from
+it; the update is formed in it, and it, the optimizer's state and the update are reduced where
+they are (``StepTensor.in_place``): nothing changes them before the record is delivered.
 """
 
 from __future__ import annotations
@@ -119,21 +122,31 @@ def before_step(
         owner = parameters.owner(parameter)
         if owner is None:
             continue
-        tensors.extend(_parameter_tensors(parameter, owner, signals, scale))
+        copy = None
         if gradient is not None and Signal.UPDATE in signals:
             copy = _copy(parameter, owner)
             if copy is not None:
                 copies.append(copy)
+        tensors.extend(_parameter_tensors(parameter, owner, signals, scale, copy))
     if gradients and Signal.PARAMETER_GRADIENT in signals:
         tensors.append(whole_gradient(gradients, scale))
     return tensors, copies
 
 
 def _parameter_tensors(
-    parameter: torch.Tensor, owner: Owner, signals: frozenset[Signal], scale: torch.Tensor | None
+    parameter: torch.Tensor,
+    owner: Owner,
+    signals: frozenset[Signal],
+    scale: torch.Tensor | None,
+    copy: PreStepCopy | None,
 ) -> Iterator[StepTensor]:
     if Signal.PARAMETER in signals:
-        yield _tensor(owner, Signal.PARAMETER, owner.name, parameter.detach())
+        if copy is not None and type(parameter.detach()) is torch.Tensor:
+            # the copy the update needs holds the same values, and nothing changes it before
+            # the post-hook waits for its reduction (``updates``): read there, not copied again
+            yield _tensor(owner, Signal.PARAMETER, owner.name, copy.values, in_place=True)
+        else:  # the optimizer changes the parameter itself once the hook returns: copied
+            yield _tensor(owner, Signal.PARAMETER, owner.name, parameter.detach())
     if parameter.grad is not None and Signal.PARAMETER_GRADIENT in signals:
         gradient = parameter.grad
         yield StepTensor(
@@ -142,12 +155,17 @@ def _parameter_tensors(
 
 
 def _tensor(
-    owner: Owner, signal: Signal, path: str, tensor: torch.Tensor, *extra: tuple[str, torch.Tensor]
+    owner: Owner,
+    signal: Signal,
+    path: str,
+    tensor: torch.Tensor,
+    *extra: tuple[str, torch.Tensor],
+    in_place: bool = False,
 ) -> StepTensor:
     # A histogram only where a destination shows it: the loggers and the run directory's
     # TensorBoard receive the routed signals' histograms; the Parquet tables hold none.
     histogram = owner.histogram and signal.spec.routed
-    return StepTensor(owner.layer, signal, path, tensor, histogram, tuple(extra))
+    return StepTensor(owner.layer, signal, path, tensor, histogram, tuple(extra), in_place=in_place)
 
 
 def _copy(parameter: torch.Tensor, owner: Owner) -> PreStepCopy | None:
@@ -160,8 +178,10 @@ def _copy(parameter: torch.Tensor, owner: Owner) -> PreStepCopy | None:
 def updates(copies: list[PreStepCopy]) -> Iterator[StepTensor | StepScalars]:
     """Each copied parameter's update, then the whole update's norm; frees each copy.
 
-    The update is computed into the copy's own memory (after minus before), measured, and the
-    copy is dropped before the next one: nothing beyond the copies is held.
+    The update is computed into the copy's own memory (after minus before), measured where it
+    is (``StepTensor.in_place``), and the copy is let go before the next one: nothing beyond
+    the copies is held but what the reductions of the copies still read. The caller waits
+    for the reductions of the parameters measured from these copies first.
     """
     norms: list[torch.Tensor] = []
     while copies:
@@ -173,7 +193,14 @@ def updates(copies: list[PreStepCopy]) -> Iterator[StepTensor | StepScalars]:
         size = norm(update)
         norms.append(size)
         ratio = update_to_weight(size, copy.weight_norm)
-        yield _tensor(copy.owner, Signal.UPDATE, copy.owner.name, update, (UPDATE_TO_WEIGHT, ratio))
+        yield _tensor(
+            copy.owner,
+            Signal.UPDATE,
+            copy.owner.name,
+            update,
+            (UPDATE_TO_WEIGHT, ratio),
+            in_place=True,
+        )
         del copy, update
     if norms:
         yield whole_update(norms)
@@ -213,4 +240,5 @@ def _state_tensors(
                 }
                 ratio = adam_ratio(gradient, local_state, group)
         extra = () if ratio is None else ((ADAM_RATIO_METRIC, ratio),)
-        yield _tensor(owner, Signal.OPTIMIZER_STATE, path, value, *extra)
+        # measured after the update, and the record is delivered before the post-hook returns
+        yield _tensor(owner, Signal.OPTIMIZER_STATE, path, value, *extra, in_place=True)
