@@ -226,12 +226,12 @@ class Measurer:
         called, on the thread that checked. Only a tensor whose changes would show in its
         version is shared (``shareable``).
 
-        ``step`` marks a step record's tensor (``_step_records``): it is never read in place
-        (the optimizer changes a parameter as soon as it is measured), so it goes to the
-        kernels' queue, which copies it as the Python worker would but reduces it without
-        the GIL, whatever the size of the sample; and it does not count toward the size of
-        the next forward sample (``SMALL_SAMPLE_ENTRIES`` weighs what copying a sample's
-        activations and gradients costs its hooks). ``in_place`` says that nothing changes
+        ``step`` marks a step record's tensor (``_step_records``): it goes to the kernels'
+        queue, whose thread reduces it without the GIL, whatever the size of the sample, and it
+        does not count toward the size of the next forward sample (``SMALL_SAMPLE_ENTRIES``
+        weighs what copying a sample's activations and gradients costs its hooks). It is copied
+        there (the optimizer changes a parameter as soon as it is measured, and a gradient may
+        be changed by the optimizer's own code) unless ``in_place`` says that nothing changes
         ``tensor`` until its measurement settles (an update, the optimizer's state after the
         update, a parameter's copy taken for its update: see ``_step_tensors``): a worker then
         reads it where it is, without a copy, where it is contiguous and in its working dtype.

@@ -11,8 +11,8 @@ the sample's seed, while the model computes; after a job it lingers for the next
 before it sleeps, so that a sample's later jobs cost their hooks no wake (about 10 us each on a
 virtual machine). Reading each job's values back costs the training thread about what the
 Python worker's GIL does on larger samples, which keep that worker. A step record's tensors
-(``Measurer.measure``'s ``step``) take the queue whatever the size of the samples: the optimizer
-changes a parameter as soon as it is measured, so they are copied wherever they go.
+(``Measurer.measure``'s ``step``) take the queue whatever the size of the samples, copied
+unless nothing changes them before their record is delivered (``StepTensor.in_place``).
 Each job's values are read back (``ProfileJob.complete``) on a thread that measures or
 settles, in the order the jobs were submitted, once the job has run: when the sample closes
 and waits for them, back to back, where the interpreter's caches are warm (read back in a
