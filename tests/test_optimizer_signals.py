@@ -336,3 +336,27 @@ def test_step_rows_off_the_hooks_equal_those_in_them(make: Any) -> None:
             _check_parameters(record, copies)
     assert [r.rows for r in records[True]] == [r.rows for r in records[False]]
     assert [r.histograms for r in records[True]] == [r.histograms for r in records[False]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_step_rows_match_float64_copies() -> None:
+    """On CUDA, every step row of an AdamW step matches the test's float64 copies.
+
+    The parameter is reduced from the copy its update is then formed in, on the same stream:
+    the reductions read it before the update is written into it.
+    """
+    model = float64_mlp().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    reference = Reference(optimizer, parameter_names(model))
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+        for index in range(3):
+            torch.manual_seed(100 + index)
+            batch = torch.randn(16, 4, dtype=torch.float64, device="cuda")
+            model(batch).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    records = step_records(sink)
+    assert len(records) == 3
+    for record, copies in zip(records, reference.steps, strict=True):
+        _check_parameters(record, copies)
