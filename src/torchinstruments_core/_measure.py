@@ -251,12 +251,7 @@ class Measurer:
             if numel and self._in_background(tensor, None):
                 self._entries += 0 if step else numel
                 detached = tensor.detach() if tensor.requires_grad else tensor
-                if in_place:
-                    measurement = Measurement(None, self.metrics)
-                    return self._hand_over(
-                        detached, measurement, with_histogram, owned=True, shared=False, queue=True
-                    )
-                return self._queue(detached, numel, tensor.dtype, with_histogram)
+                return self._queue(detached, numel, tensor.dtype, with_histogram, in_place)
         self._let_go()
         shared = shared and not self.queues and shareable(tensor, groups=self.process_groups())
         try:
@@ -272,7 +267,7 @@ class Measurer:
             queues = self.queues or (step and self._native is not None)
             if scale is None and queues and self._in_background(plain, scale):
                 dtype = working_dtype(plain.dtype)  # a narrower one's, or a subclass's
-                return self._queue(plain, numel, dtype, with_histogram)
+                return self._queue(plain, numel, dtype, with_histogram, in_place)
         measurement = Measurement(None, self.metrics, changed=changed)
         if not self._in_background(plain, scale):
             if on_cpu:
@@ -284,14 +279,25 @@ class Measurer:
         return self._hand_over(plain, measurement, with_histogram, owned=owned, shared=shared)
 
     def _queue(
-        self, plain: torch.Tensor, numel: int, dtype: torch.dtype, with_histogram: bool
+        self,
+        plain: torch.Tensor,
+        numel: int,
+        dtype: torch.dtype,
+        with_histogram: bool,
+        in_place: bool = False,
     ) -> Measurement:
         """A small sample's CPU tensor copied (in ``dtype``) and its profile queued.
 
         What nearly every tensor of a small sample takes: one ``NativeWorker.submit_copy``,
         its job (``QueuedFill``) filling the measurement in when it is read back. A copy
-        that fails (out of memory) gives a measurement with its reason instead.
+        that fails (out of memory) gives a measurement with its reason instead. ``in_place``
+        (``measure``'s): the job reads ``plain`` where it is, where the kernels can.
         """
+        if in_place:
+            measurement = Measurement(None, self.metrics)
+            return self._hand_over(
+                plain, measurement, with_histogram, owned=True, shared=False, queue=True
+            )
         native, fusion = self._native, self._fused
         assert native is not None, "only a sample that queues gets here"
         assert fusion is not None, "the queue is there only for the built-in reducers"
