@@ -231,7 +231,7 @@ def test_kernels_built_from_other_sources_are_not_used(monkeypatch: pytest.Monke
     stale.__file__ = "/old/_kernels.abi3.so"
     monkeypatch.setitem(sys.modules, stale.__name__, stale)
     monkeypatch.setattr(reducers, "_kernels", stale, raising=False)
-    with pytest.warns(RuntimeWarning, match=r"/old/_kernels.abi3.so .*layout 1, .*needs 2"):
+    with pytest.warns(RuntimeWarning, match=r"/old/_kernels.abi3.so .*layout 1, .*needs 3"):
         assert _compiled.load() is None
 
 
@@ -728,3 +728,50 @@ def test_a_hugging_face_run_directory_is_the_same_with_and_without_the_kernels(
             }
         )
     assert histograms[0] == histograms[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("numel", [0, 1, 15, 16, 17, 4097, 300_001])
+def test_the_ratio_sum_is_the_float64_sum_of_the_quotients(dtype: torch.dtype, numel: int) -> None:
+    """``ratio_sum``: sum of g**2 / max(v / c, floor), within 1e-12 of ``math.fsum``'s.
+
+    Entries of ``v`` under the floor (zeros among them) are divided by the floor, as torch's
+    ``clamp(min=floor)`` does.
+    """
+    generator = torch.Generator().manual_seed(numel)
+    gradient = torch.randn(numel, generator=generator, dtype=torch.float64).to(dtype)
+    second = torch.rand(numel, generator=generator, dtype=torch.float64).pow(8).to(dtype)
+    second[::7] = 0.0
+    correction, floor = 1 - 0.999**3, 1e-9
+    exact = [
+        float(g) ** 2 / max(float(v) / correction, floor)
+        for g, v in zip(gradient.tolist(), second.tolist(), strict=True)
+    ]
+    got = _native.ratio_sum(gradient, second, correction, floor)
+    assert got == pytest.approx(math.fsum(exact), rel=1e-12, abs=0.0)
+
+
+def test_the_ratio_sum_keeps_a_nan_and_an_infinity() -> None:
+    """A NaN in the second moment or an infinite gradient makes the sum non-finite."""
+    gradient, second = torch.ones(40), torch.ones(40)
+    second[33] = math.nan
+    assert math.isnan(_native.ratio_sum(gradient, second, 0.5, 1e-16))
+    second[33] = 1.0
+    gradient[2] = math.inf
+    assert _native.ratio_sum(gradient, second, 0.5, 1e-16) == math.inf
+
+
+def test_the_ratio_sum_refuses_arguments_out_of_range() -> None:
+    """A correction that is not positive, a negative floor or an unknown dtype raises."""
+    kernels = _native.KERNELS
+    assert kernels is not None
+    values = torch.ones(8)
+    pointer = values.data_ptr()
+    for correction, floor, dtype in [
+        (0.0, 0.0, 0),
+        (math.nan, 0.0, 0),
+        (1.0, -1.0, 0),
+        (1.0, 0, 2),
+    ]:
+        with pytest.raises(ValueError, match="out of range"):
+            kernels.ratio_sum(pointer, pointer, 8, dtype, correction, floor)

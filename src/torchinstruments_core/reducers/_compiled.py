@@ -17,9 +17,10 @@ if TYPE_CHECKING:
 ENVIRONMENT_SWITCH = "TORCHINSTRUMENTS_NATIVE"
 """Set to ``0`` to reduce with numpy and torch although the compiled kernels are installed."""
 
-LAYOUT = 2
-"""The layout of the buffers this package hands the kernels (``_kernels.c``'s ``KERNELS_LAYOUT``;
-2: each histogram's edges follow it). A module of another layout is not used."""
+LAYOUT = 3
+"""The layout of the buffers this package hands the kernels and of the calls it makes
+(``_kernels.c``'s ``KERNELS_LAYOUT``; 2: each histogram's edges follow it; 3: ``ratio_sum``).
+A module of another layout is not used."""
 
 
 def load() -> ModuleType | None:

@@ -118,6 +118,36 @@ typedef struct {
 DEFINE_SUMMARY(summary_f32, float)
 DEFINE_SUMMARY(summary_f64, double)
 
+/* ---- Adam's gradient-to-second-moment ratio: sum of g^2 c / max(v, floor c) ---------------- */
+
+/* The sum of g[i]^2 / max(v[i] / c, floor) over i, as g[i]^2 c / max(v[i], floor c) in double
+   (c > 0: the same value, one division an entry), without the temporaries torch's expression
+   makes (each one fresh memory the size of the tensor). A NaN in ``v`` stays NaN (max keeps
+   it), as torch's clamp keeps it. */
+#define DEFINE_RATIO(NAME, T)                                                                  \
+    TI_CLONES static double NAME(const T* g, const T* v, int64_t n, double c, double bound) {  \
+        double sums[LANES] = {0};                                                              \
+        int64_t i = 0;                                                                         \
+        for (; n - i >= LANES; i += LANES) {                                                   \
+            for (int j = 0; j < LANES; j++) {                                                  \
+                double x = (double)g[i + j], s = (double)v[i + j];                             \
+                s = s < bound ? bound : s;                                                     \
+                sums[j] += x * x * c / s;                                                      \
+            }                                                                                  \
+        }                                                                                      \
+        double total = 0.0;                                                                    \
+        for (int j = 0; j < LANES; j++) total += sums[j];                                      \
+        for (; i < n; i++) {                                                                   \
+            double x = (double)g[i], s = (double)v[i];                                         \
+            s = s < bound ? bound : s;                                                         \
+            total += x * x * c / s;                                                            \
+        }                                                                                      \
+        return total;                                                                          \
+    }
+
+DEFINE_RATIO(ratio_f32, float)
+DEFINE_RATIO(ratio_f64, double)
+
 /* ---- the histogram's grid: _host_binning.host_grid, operation for operation ---------------- */
 
 #define DEFINE_GRID(NAME, T, MAX, EPS, ABS)                                                    \
@@ -1320,6 +1350,35 @@ static PyObject* queue_close(PyObject* module, PyObject* const* args, Py_ssize_t
 }
 #endif
 
+/* ratio_sum(gradient, second, n, dtype, correction, floor) -> float
+ *
+ * The sum over the ``n`` entries of gradient^2 / max(second / correction, floor) (both arrays of
+ * ``dtype``, dense, of ``n`` entries; correction > 0, floor >= 0), in double, GIL released:
+ * Adam's gradient-to-second-moment ratio squared, times ``n`` (``_step_math.adam_ratio``).
+ */
+static PyObject* ratio_sum(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    void *gradient, *second;
+    int64_t n, dtype;
+    if (check_args(nargs, 6, "ratio_sum") || as_pointer(args[0], &gradient) ||
+        as_pointer(args[1], &second) || as_int64(args[2], &n) || as_int64(args[3], &dtype))
+        return NULL;
+    double correction = PyFloat_AsDouble(args[4]), floor_value = PyFloat_AsDouble(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (n < 0 || (dtype != DTYPE_FLOAT32 && dtype != DTYPE_FLOAT64) || !(correction > 0) ||
+        !(floor_value >= 0)) {
+        PyErr_SetString(PyExc_ValueError, "ratio_sum: an argument is out of range");
+        return NULL;
+    }
+    double total, bound = floor_value * correction;
+    Py_BEGIN_ALLOW_THREADS
+    total = dtype == DTYPE_FLOAT32
+                ? ratio_f32((const float*)gradient, (const float*)second, n, correction, bound)
+                : ratio_f64((const double*)gradient, (const double*)second, n, correction, bound);
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(total);
+}
+
 /* crc32c(data) -> int: the CRC-32C of a bytes-like object. */
 static PyObject* crc32c_of(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
     (void)module;
@@ -1347,6 +1406,8 @@ static PyMethodDef methods[] = {
      "The edges of a histogram grid: the first float of each bin."},
     {"draw", (PyCFunction)(void (*)(void))draw, METH_FASTCALL,
      "Uniform positions of a subsample, from a seed."},
+    {"ratio_sum", (PyCFunction)(void (*)(void))ratio_sum, METH_FASTCALL,
+     "Sum of g^2 / max(v / c, floor): Adam's gradient-to-second-moment ratio, squared, times n."},
     {"crc32c", (PyCFunction)(void (*)(void))crc32c_of, METH_FASTCALL,
      "The CRC-32C of a bytes-like object."},
 #ifdef TI_QUEUE
@@ -1373,8 +1434,8 @@ static struct PyModuleDef module_definition = {
 
 /* The layout of the buffers the calls read and write, checked by ``_compiled.load`` (its
    ``LAYOUT``): a module built from older sources, which a failed rebuild leaves in place, would
-   pass the size checks and leave new fields unwritten. 2: the histogram's edges follow it. */
-#define KERNELS_LAYOUT 2
+   pass the size checks and leave new fields unwritten. 2: the histogram's edges follow it; 3: ratio_sum. */
+#define KERNELS_LAYOUT 3
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     crc_prepare();

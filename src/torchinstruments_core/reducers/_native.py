@@ -149,6 +149,37 @@ def reduce(
     )
 
 
+def ratio_sum(
+    gradient: torch.Tensor, second: torch.Tensor, correction: float, floor: float
+) -> float:
+    """The sum of ``gradient**2 / max(second / correction, floor)`` over the entries, in float64.
+
+    One pass over both tensors with the GIL released, and no temporary: torch's expression makes
+    three the size of the tensor, each fresh memory the first touch of which faults its pages
+    in (``_step_math.adam_ratio``). Each entry is ``g**2 * correction / max(v, floor *
+    correction)``, the same quotient rounded once per operation in float64.
+
+    Args:
+        gradient: A ``usable`` tensor.
+        second: A ``usable`` tensor of ``gradient``'s dtype and number of entries.
+        correction: The second moment's bias correction, above 0.
+        floor: The smallest ``second / correction`` divided by (``eps**2``), at least 0.
+    """
+    assert KERNELS is not None, "ratio_sum needs the compiled kernels (check usable first)"
+    assert gradient.dtype == second.dtype, "ratio_sum reads two tensors of one dtype"
+    assert gradient.numel() == second.numel(), "ratio_sum reads two tensors of one size"
+    gradient, second = _dense(gradient), _dense(second)
+    total: float = KERNELS.ratio_sum(
+        gradient.data_ptr(),
+        second.data_ptr(),
+        gradient.numel(),
+        _DTYPES[gradient.dtype],
+        float(correction),
+        float(floor),
+    )
+    return total
+
+
 class Profiled(NamedTuple):
     """What ``profile`` gives for one tensor."""
 
