@@ -30,12 +30,14 @@ from torchinstruments_core import (
     ObservationError,
     ObservationWarning,
     Observer,
+    RecordKind,
     inject_observer,
 )
 from torchinstruments_core import _background as background
 from torchinstruments_core._background import ReductionWorker
 from torchinstruments_core._failures import FailureReport
 from torchinstruments_core._measure import Measurer
+from torchinstruments_core._measurement import reduced
 from torchinstruments_core._native_worker import NativeWorker, ProfileJob
 from torchinstruments_core._probe import OutputProbe
 from torchinstruments_core._records import Signal
@@ -647,15 +649,15 @@ def test_a_step_records_tensors_go_to_the_kernels_queue_and_not_into_the_samples
     assert [s.histograms for s in sink.samples] == [s.histograms for s in hooks.samples]
 
 
-def test_a_step_record_copies_only_the_gradients(monkeypatch: Any) -> None:
-    """The gradients are the only tensors of a step record copied for the reductions.
+def test_a_step_record_copies_nothing_for_its_reductions(monkeypatch: Any) -> None:
+    """No tensor of a step record is copied for the reductions, and the values are the hooks'.
 
     The optimizer changes a parameter as soon as it is measured, but the copy its update needs
     holds the same values: the parameter is reduced from that copy, the update is formed in it
     once that reduction has run, and it and the optimizer's state, measured after the update,
-    are reduced where they are (the record is delivered before the post-hook returns). A
-    gradient is handed to foreign code (the optimizer's step) before its reduction settles,
-    so it is copied. The values are those of the hooks.
+    are reduced where they are (the record is delivered before the post-hook returns). The
+    gradients are read where they are too, the pre-hook waiting for their reductions before
+    the optimizer runs.
     """
     import torchinstruments_core._background as background_module
     import torchinstruments_core._measure as measure_module
@@ -695,9 +697,126 @@ def test_a_step_record_copies_only_the_gradients(monkeypatch: Any) -> None:
                 optimizer.zero_grad()
                 observer.end_step()
         if background_reductions is None:
-            assert copied == [1, 1, 1]  # the weight's gradient, never its value, update, moments
+            assert copied == [0, 0, 0]  # neither the weight, its gradient, update nor moments
     assert [s.rows for s in sinks[0].samples] == [s.rows for s in sinks[1].samples]
     assert [s.histograms for s in sinks[0].samples] == [s.histograms for s in sinks[1].samples]
+
+
+@pytest.mark.parametrize("background_reductions", [None, True])
+def test_a_gradient_the_optimizer_changes_in_place_is_measured_as_it_found_it(
+    monkeypatch: Any, background_reductions: bool | None
+) -> None:
+    """SGD with Nesterov momentum (``foreach``) adds its momentum into ``.grad`` in its step.
+
+    The gradient is read where it is, on the kernels' queue or the Python worker: its rows are
+    those of the gradient the step was handed (copied by a pre-hook that runs after the
+    observer's), not a mix of it and what the optimizer wrote into it: their reductions have run
+    when the optimizer's own step begins.
+    """
+    import torchinstruments_core._measure as measure_module
+
+    monkeypatch.setattr(measure_module, "free_core", lambda: True)
+    torch.manual_seed(0)
+    layer = nn.Linear(512, 512)
+    model = nn.Sequential(layer)
+    optimizer = _nesterov(layer)
+    sink = RecordingSink()
+    handed: list[torch.Tensor] = []
+    changed: list[bool] = []
+    with inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        sink=sink,
+        optimizer=optimizer,
+        background_reductions=background_reductions,
+    ) as observer:
+        pending: list[bool] = []
+
+        def before_the_optimizer(*_: object) -> None:  # runs after the observer's pre-hook
+            handed.append(_gradient(layer).double())
+            record = observer._optimizers._pending[id(optimizer)].record
+            gradients = [
+                measurement
+                for site, measurement, _ in record._measured
+                if site.signal == "parameter_gradient" and site.layer == "0"
+            ]
+            assert len(gradients) == 2  # the weight's and the bias's
+            pending.append(not all(reduced(m) for m in gradients))
+
+        optimizer.register_step_pre_hook(before_the_optimizer)
+        for step in range(3):
+            observer.begin_step(step, sample=True)
+            batch = torch.randn(64, 512, generator=torch.Generator().manual_seed(step))
+            model(batch).square().mean().backward()
+            gradient = _gradient(layer)
+            version = gradient._version
+            optimizer.step()
+            changed.append(gradient._version != version)
+            optimizer.zero_grad()
+            observer.end_step()
+    assert all(changed)  # the optimizer did change the gradient in place
+    assert pending == [False] * 3  # the gradients' reductions had run when the optimizer began
+    records = [r for r in sink.samples if r.kind is RecordKind.STEP]
+    assert len(records) == 3
+    for record, gradient in zip(records, handed, strict=True):
+        rows = {
+            r.metric: r.value
+            for r in record.rows
+            if r.layer == "0"
+            and str(r.signal) == "parameter_gradient"
+            and r.tensor_path == "weight"
+        }
+        assert rows["max"] == pytest.approx(gradient.max().item(), rel=1e-6)
+        assert rows["min"] == pytest.approx(gradient.min().item(), rel=1e-6)
+        assert rows["rms"] == pytest.approx(gradient.square().mean().sqrt().item(), rel=1e-5)
+
+
+def test_the_gradients_are_waited_for_when_the_rest_of_the_pre_hook_fails(monkeypatch: Any) -> None:
+    """A failure after the gradients were handed over still waits for their reductions.
+
+    The parameters' copies fail (out of memory, say): the observer warns, and the optimizer,
+    which changes the gradients in place, starts only once they are measured.
+    """
+    import torchinstruments_core._measure as measure_module
+    import torchinstruments_core._optimizer_probe as probe_module
+
+    def failing(*_: object) -> None:
+        raise RuntimeError("no memory for the copies")
+
+    monkeypatch.setattr(measure_module, "free_core", lambda: True)
+    monkeypatch.setattr(probe_module, "before_step", failing)
+    torch.manual_seed(0)
+    layer = nn.Linear(512, 512)
+    optimizer = _nesterov(layer)
+    sink, pending = RecordingSink(), []
+    with inject_observer(
+        nn.Sequential(layer), sampler=AlwaysSampler(), sink=sink, optimizer=optimizer
+    ) as observer:
+
+        def before_the_optimizer(*_: object) -> None:
+            record = observer._optimizers._pending[id(optimizer)].record
+            pending.append([not reduced(m) for _, m, _ in record._measured])
+
+        optimizer.register_step_pre_hook(before_the_optimizer)
+        observer.begin_step(0, sample=True)
+        layer(torch.randn(64, 512)).square().mean().backward()
+        with pytest.warns(ObservationWarning, match="no memory for the copies"):
+            optimizer.step()
+        observer.end_step()
+    assert pending == [[False, False]]  # the weight's and the bias's gradients, both measured
+    record = next(r for r in sink.samples if r.kind is RecordKind.STEP)
+    assert {str(r.signal) for r in record.rows} == {"parameter_gradient", "optimizer_state"}
+
+
+def _nesterov(layer: nn.Linear) -> torch.optim.SGD:
+    """SGD with Nesterov momentum, ``foreach``: its step adds the momentum into ``.grad``."""
+    return torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9, nesterov=True, foreach=True)
+
+
+def _gradient(layer: nn.Linear) -> torch.Tensor:
+    gradient = layer.weight.grad
+    assert gradient is not None
+    return gradient
 
 
 def test_switching_between_the_hooks_and_the_worker_keeps_the_values(monkeypatch: Any) -> None:

@@ -103,3 +103,89 @@ def test_finite_cpu_gradients_take_one_pass_of_the_kernels(monkeypatch: pytest.M
     assert calls == []
     whole_gradient(CASES["nan"]())
     assert calls == [64 * 48]  # only the gradient with the NaN
+
+
+def test_finite_cpu_gradients_take_no_norm_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finite CPU gradient's norm is the square root of the kernels' sum of squares.
+
+    Only the norm of the per-gradient norms is torch's; a gradient with a NaN still takes a
+    norm of its own.
+    """
+    from torchinstruments_core.reducers import _native
+
+    if not _native.usable(torch.zeros(4)):
+        pytest.skip("without the compiled kernels every gradient takes torch's norm")
+    sizes: list[int] = []
+    vector_norm = torch.linalg.vector_norm
+
+    def counted(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        sizes.append(tensor.numel())
+        return vector_norm(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "vector_norm", counted)
+    whole_gradient(CASES["float32"]() + CASES["float64"]())
+    assert sizes == [4]  # the four gradients' norms, nothing else
+    sizes.clear()
+    whole_gradient(CASES["nan"]())
+    assert sorted(sizes) == [2, 64 * 48]  # the total of two norms, and the NaN gradient's own
+
+
+ADAM_CASES: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {
+    "float32": lambda: (torch.randn(5000), torch.rand(5000) ** 6),
+    "float64": lambda: (torch.randn(777, dtype=torch.float64), torch.rand(777).double() ** 6),
+    "bfloat16": lambda: (torch.randn(300).bfloat16(), (torch.rand(300) ** 2).bfloat16()),
+    "strided": lambda: (torch.randn(40, 30).t(), (torch.rand(40, 30) ** 2).t()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ADAM_CASES))
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adam_ratio_is_the_float64_expression(case: str, amsgrad: bool) -> None:
+    """rms(g / sqrt(max(v / c, eps**2))) as float64 torch computes it, on either path.
+
+    Dense float32 and float64 tensors take the kernels' ``ratio_sum`` (no temporaries); a
+    bfloat16 or a transposed pair takes torch's expression. Zeros in ``v`` are floored at
+    ``eps**2``; under ``amsgrad`` the ratio divides by ``max_exp_avg_sq``.
+    """
+    from torchinstruments_core._step_math import adam_ratio
+
+    torch.manual_seed(5)
+    gradient, second = ADAM_CASES[case]()
+    second[..., ::5] = 0.0  # under the floor
+    other = torch.full_like(second, 7.0)
+    state = {"step": torch.tensor(4.0)}
+    state.update(
+        {"exp_avg_sq": other, "max_exp_avg_sq": second} if amsgrad else {"exp_avg_sq": second}
+    )
+    group = {"betas": (0.9, 0.99), "eps": 1e-6, "amsgrad": amsgrad}
+    got = adam_ratio(gradient, state, group)
+    assert got is not None
+    v_hat = (second.double() / (1 - 0.99**4)).clamp(min=1e-12)
+    expected = (gradient.double().square() / v_hat).mean().sqrt().item()
+    rel = 1e-2 if case == "bfloat16" else 1e-6
+    assert got.item() == pytest.approx(expected, rel=rel)
+
+
+def test_adam_ratio_of_dense_cpu_tensors_makes_no_temporaries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernels compute it: torch's ``square`` (the first temporary) is never called."""
+    from torchinstruments_core._step_math import adam_ratio
+    from torchinstruments_core.reducers import _native
+
+    if not _native.usable(torch.zeros(4)):
+        pytest.skip("without the compiled kernels torch computes the ratio")
+    calls: list[int] = []
+    square = torch.Tensor.square
+
+    def counted(tensor: torch.Tensor) -> torch.Tensor:
+        calls.append(tensor.numel())
+        return square(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "square", counted)
+    state = {"exp_avg_sq": torch.rand(1000), "step": 3}
+    assert adam_ratio(torch.randn(1000), state, {"betas": (0.9, 0.999)}) is not None
+    assert calls == []
+    state = {"exp_avg_sq": torch.rand(1000).bfloat16(), "step": 3}
+    assert adam_ratio(torch.randn(1000).bfloat16(), state, {"betas": (0.9, 0.999)}) is not None
+    assert calls == [1000]

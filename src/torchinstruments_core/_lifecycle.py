@@ -346,8 +346,10 @@ class SampleLifecycle:
     def wait_for_reductions(self) -> None:
         """Block until the workers have reduced every tensor handed to them (``Measurer.wait``).
 
-        A step record's parameters are measured from the copies their updates are then formed
-        in (``_step_tensors``): the post-hook waits here first.
+        A step record's gradients are read where they are, which the optimizer may change once
+        its pre-hook returns: the pre-hook waits here first. Its parameters are measured from
+        the copies their updates are then formed in (``_step_tensors``): the post-hook waits
+        here first too.
         """
         self._measurer.wait()
 

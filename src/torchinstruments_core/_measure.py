@@ -230,11 +230,12 @@ class Measurer:
         queue, whose thread reduces it without the GIL, whatever the size of the sample, and it
         does not count toward the size of the next forward sample (``SMALL_SAMPLE_ENTRIES``
         weighs what copying a sample's activations and gradients costs its hooks). It is copied
-        there (the optimizer changes a parameter as soon as it is measured, and a gradient may
-        be changed by the optimizer's own code) unless ``in_place`` says that nothing changes
-        ``tensor`` until its measurement settles (an update, the optimizer's state after the
-        update, a parameter's copy taken for its update: see ``_step_tensors``): a worker then
-        reads it where it is, without a copy, where it is contiguous and in its working dtype.
+        there (the optimizer changes a parameter as soon as it is measured) unless ``in_place``
+        says that nothing changes ``tensor`` until its reduction has run (an update, the
+        optimizer's state after the update, a parameter's copy taken for its update, a gradient
+        whose reduction the pre-hook waits for: see ``_step_tensors``): a worker then reads it
+        where it is, without a copy and outside the workers' byte budget (``_hand_over``),
+        where it is contiguous and in its working dtype.
         """
         if (  # a small sample's plain float CPU tensor, nearly all of one: checked here, inline
             scale is None
@@ -276,7 +277,14 @@ class Measurer:
             self._fill(plain, measurement, with_histogram, self._index_cache, plain.dtype)
             return measurement
         owned = scale is not None or in_place  # the division by a scale made it, or nobody
-        return self._hand_over(plain, measurement, with_histogram, owned=owned, shared=shared)
+        return self._hand_over(
+            plain,
+            measurement,
+            with_histogram,
+            owned=owned,
+            shared=shared,
+            read=in_place and scale is None,
+        )
 
     def _queue(
         self,
@@ -296,7 +304,7 @@ class Measurer:
         if in_place:
             measurement = Measurement(None, self.metrics)
             return self._hand_over(
-                plain, measurement, with_histogram, owned=True, shared=False, queue=True
+                plain, measurement, with_histogram, owned=True, shared=False, queue=True, read=True
             )
         native, fusion = self._native, self._fused
         assert native is not None, "only a sample that queues gets here"
@@ -322,6 +330,7 @@ class Measurer:
         owned: bool,
         shared: bool,
         queue: bool = False,
+        read: bool = False,
     ) -> Measurement:
         """Queue ``plain``'s job on a worker; ``measurement`` is filled in when it has run.
 
@@ -330,9 +339,19 @@ class Measurer:
         ``owned``: nothing changes ``plain`` until the measurement settles (the division by a
         scale made it, or ``measure``'s ``in_place``); ``shared``: see ``measure``. A copy that
         fails (out of memory) gives a measurement with its reason instead of a job.
+
+        ``read``: ``plain`` is ``measure``'s ``in_place`` tensor, which lives on whether or not
+        a job holds it (a parameter's copy, an update, the optimizer's state, a gradient).
+        Where the job reads it as it is (dense, in its working dtype), it holds none of the
+        workers' byte budget, which bounds what their copies and conversions hold: counted,
+        an optimizer step's large tensors made each hand-over wait for the job two before it
+        (a budget of 8 MiB against 4 MiB weights), and the post-hook's own work with them.
         """
         nbytes = plain.numel() * working_dtype(plain.dtype).itemsize
         native = self._native if self._small or queue else None
+        as_is = plain.dtype in _QUEUED_DTYPES and plain.is_contiguous()
+        if read and as_is and (native is None or _native.usable(plain)):
+            nbytes = 0  # read where it is (``_native_job``, ``_job``): nothing of theirs held
         try:
             if native is not None:
                 measurement.ticket = native.submit(

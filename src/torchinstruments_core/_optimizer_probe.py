@@ -2,8 +2,10 @@
 
 Each watched optimizer gets a step pre-hook and a step post-hook (public torch API). On a step the
 ``StepWindow`` does not claim, the pre-hook reads one attribute and the post-hook one dict; on a
-recorded step the pre-hook measures what ``_step_tensors.before_step`` lists and the post-hook
-what comes after the update, into one step record delivered when the post-hook ends.
+recorded step the pre-hook measures the gradients where they are (``_step_tensors
+.gradient_tensors``) and what ``_step_tensors.before_step`` lists, waiting for the gradients'
+reductions before it returns, and the post-hook what comes after the update, into one step
+record delivered when the post-hook ends.
 
 An optimizer stepped with a closure (Lightning without a GradScaler, LBFGS) computes its
 gradients inside ``step``, after the pre-hook: the pre-hook then wraps the closure, and the
@@ -28,6 +30,8 @@ from torchinstruments_core._step_tensors import (
     ParameterMap,
     PreStepCopy,
     before_step,
+    gradient_tensors,
+    loss_scale,
     optimizer_state,
     updates,
 )
@@ -196,7 +200,16 @@ class OptimizerProbe:
             return
         pending = self._pending[id(optimizer)] = _Pending(record, [])
         try:
-            tensors, pending.copies = before_step(optimizer, self._parameters, self._signals)
+            scale = loss_scale(optimizer)
+            gradients = gradient_tensors(optimizer, self._parameters, self._signals, scale)
+            try:
+                self._lifecycle.measure_step(record, gradients)  # read in place, reduced meanwhile
+                tensors, pending.copies = before_step(
+                    optimizer, self._parameters, self._signals, scale
+                )
+            finally:  # before the optimizer may change them, whatever failed meanwhile
+                if gradients:
+                    self._lifecycle.wait_for_reductions()
             self._lifecycle.measure_step(record, tensors)
         except Exception as error:  # observing must never break the training step
             self._failures.failed("measuring before an optimizer step", error, "step", _CONSEQUENCE)

@@ -47,11 +47,12 @@ class StepTensor:
         extra_metrics: Further metrics of the tensor, each a device scalar computed by the
             caller (``update_to_weight`` on an update), as ``(metric, value)`` pairs.
         scale: Measure the tensor divided by this (a loss scale), on its device.
-        in_place: Nothing changes the tensor until the step record is delivered, so it is
-            reduced where it is, without a copy (``Measurer.measure``): an update, the
-            optimizer's state after the update (the post-hook measures them and delivers the
-            record before it returns), a parameter's copy taken for its update (waited for
-            before the update is formed in it, ``_step_tensors.updates``).
+        in_place: Nothing changes the tensor until its reduction has run, so it is reduced
+            where it is, without a copy (``Measurer.measure``): an update, the optimizer's
+            state after the update (the post-hook measures them and delivers the record before
+            it returns), a parameter's copy taken for its update (waited for before the update
+            is formed in it, ``_step_tensors.updates``), a gradient (waited for before the
+            optimizer runs, ``_step_tensors.gradient_tensors``).
 
     Raises:
         ConfigurationError: ``signal`` belongs to forward samples.

@@ -10,7 +10,10 @@ The copies are the only memory this holds across the update: one copy of the obs
 that have a gradient, in their own dtype, each let go as soon as its update is measured (the
 reduction reading it holds it until it has run). A parameter with such a copy is measured from
 it; the update is formed in it, and it, the optimizer's state and the update are reduced where
-they are (``StepTensor.in_place``): nothing changes them before the record is delivered.
+they are (``StepTensor.in_place``): nothing changes them before the record is delivered. The
+gradients are read where they are too, measured first (``gradient_tensors``): the pre-hook
+waits for their reductions before it returns, while it makes the copies and the whole-model
+row, so that the optimizer may change them afterwards.
 """
 
 from __future__ import annotations
@@ -99,17 +102,61 @@ def stepped(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         yield from group["params"]
 
 
-def before_step(
-    optimizer: torch.optim.Optimizer, parameters: ParameterMap, signals: frozenset[Signal]
-) -> tuple[list[StepTensor | StepScalars], list[PreStepCopy]]:
-    """The tensors to measure before the update, and the copies the update needs.
+def loss_scale(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """The loss scale a fused optimizer's gradients still carry, if any.
 
     A fused optimizer stepped by a GradScaler unscales the gradients inside its own step; the
     scaler leaves the scale on it (``optimizer.grad_scale``), and the gradients are measured
     divided by it.
     """
     scale = getattr(optimizer, "grad_scale", None)
-    scale = scale if isinstance(scale, torch.Tensor) else None
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
+def gradient_tensors(
+    optimizer: torch.optim.Optimizer,
+    parameters: ParameterMap,
+    signals: frozenset[Signal],
+    scale: torch.Tensor | None,
+) -> list[StepTensor]:
+    """Each observed parameter's gradient (``parameter_gradient``), read where it is.
+
+    The caller waits for their reductions before the optimizer runs (``OptimizerProbe``), so
+    nothing is copied: an optimizer that changes its gradients in place (torch's SGD adds its
+    Nesterov momentum into them under ``foreach``) does so only once they are measured.
+    """
+    if Signal.PARAMETER_GRADIENT not in signals:
+        return []
+    tensors: list[StepTensor] = []
+    for parameter in stepped(optimizer):
+        owner = parameters.owner(parameter)
+        if owner is None or parameter.grad is None:
+            continue
+        tensors.append(
+            StepTensor(
+                owner.layer,
+                Signal.PARAMETER_GRADIENT,
+                owner.name,
+                parameter.grad,
+                owner.histogram,
+                (),
+                scale,
+                in_place=True,
+            )
+        )
+    return tensors
+
+
+def before_step(
+    optimizer: torch.optim.Optimizer,
+    parameters: ParameterMap,
+    signals: frozenset[Signal],
+    scale: torch.Tensor | None,
+) -> tuple[list[StepTensor | StepScalars], list[PreStepCopy]]:
+    """The parameters and the whole-model gradient row, and the copies the updates need.
+
+    Each observed parameter's gradient is measured apart, first (``gradient_tensors``).
+    """
     tensors: list[StepTensor | StepScalars] = []
     copies: list[PreStepCopy] = []
     gradients: list[torch.Tensor] = []
@@ -127,31 +174,22 @@ def before_step(
             copy = _copy(parameter, owner)
             if copy is not None:
                 copies.append(copy)
-        tensors.extend(_parameter_tensors(parameter, owner, signals, scale, copy))
+        if Signal.PARAMETER in signals:
+            tensors.append(_parameter_tensor(parameter, owner, copy))
     if gradients and Signal.PARAMETER_GRADIENT in signals:
         tensors.append(whole_gradient(gradients, scale))
     return tensors, copies
 
 
-def _parameter_tensors(
-    parameter: torch.Tensor,
-    owner: Owner,
-    signals: frozenset[Signal],
-    scale: torch.Tensor | None,
-    copy: PreStepCopy | None,
-) -> Iterator[StepTensor]:
-    if Signal.PARAMETER in signals:
-        if copy is not None and type(parameter.detach()) is torch.Tensor:
-            # the copy the update needs holds the same values, and nothing changes it before
-            # the post-hook waits for its reduction (``updates``): read there, not copied again
-            yield _tensor(owner, Signal.PARAMETER, owner.name, copy.values, in_place=True)
-        else:  # the optimizer changes the parameter itself once the hook returns: copied
-            yield _tensor(owner, Signal.PARAMETER, owner.name, parameter.detach())
-    if parameter.grad is not None and Signal.PARAMETER_GRADIENT in signals:
-        gradient = parameter.grad
-        yield StepTensor(
-            owner.layer, Signal.PARAMETER_GRADIENT, owner.name, gradient, owner.histogram, (), scale
-        )
+def _parameter_tensor(
+    parameter: torch.Tensor, owner: Owner, copy: PreStepCopy | None
+) -> StepTensor:
+    if copy is not None and type(parameter.detach()) is torch.Tensor:
+        # the copy the update needs holds the same values, and nothing changes it before the
+        # post-hook waits for its reduction (``updates``): read there, not copied again
+        return _tensor(owner, Signal.PARAMETER, owner.name, copy.values, in_place=True)
+    # the optimizer changes the parameter itself once the hook returns: copied
+    return _tensor(owner, Signal.PARAMETER, owner.name, parameter.detach())
 
 
 def _tensor(
