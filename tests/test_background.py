@@ -131,14 +131,14 @@ def _held_at_each_copy(monkeypatch: Any, *, floor: int, slow_s: float = 0.0) -> 
     copies: list[weakref.ref[torch.Tensor]] = []
     submit, fill = ReductionWorker.submit, Measurer._fill
 
-    def watched(self: ReductionWorker, nbytes: int, make: Any) -> int | None:
+    def watched(self: ReductionWorker, nbytes: int, make: Any, **options: Any) -> int | None:
         def make_and_watch() -> Any:
             made = make()
             copies.append(weakref.ref(inspect.getclosurevars(made[0]).nonlocals["copy"]))
             held.append(self._held)
             return made
 
-        return submit(self, nbytes, make_and_watch)
+        return submit(self, nbytes, make_and_watch, **options)
 
     def slow_fill(self: Measurer, *args: Any) -> None:
         if self.on_worker_thread():
@@ -1924,6 +1924,31 @@ def test_small_jobs_wait_for_a_kick_or_a_waiter_and_large_ones_wake_the_worker()
     assert _ran_within(5, lambda: worker.done(ticket))
     small = [worker.submit(400, functools.partial(job, f"part {n}")) for n in range(3)]
     assert _ran_within(5, lambda: worker.done(small[-1]))  # together they pass wake_bytes
+    worker.close()
+
+
+def test_a_job_that_holds_nothing_reserves_no_room_but_still_wakes_the_worker() -> None:
+    """``held=False`` (a tensor read in place): none of the budget, its bytes still wake.
+
+    A job holding the whole budget blocks on an event; a second job that holds it too would
+    wait for room, one that holds nothing is queued at once, and its bytes wake the worker
+    as a copy's would.
+    """
+    worker = ReductionWorker(floor=0, wake_bytes=1000)
+    release, ran = threading.Event(), []
+
+    def blocked() -> None:
+        release.wait(5)
+
+    worker.submit(1000, lambda: (blocked, None))  # holds the budget
+    started = time.perf_counter()
+    ticket = worker.submit(1000, lambda: ((lambda: ran.append("read")), None), held=False)
+    assert time.perf_counter() - started < 1  # queued without waiting for room
+    assert not worker.done(ticket)
+    release.set()
+    assert _ran_within(5, lambda: worker.done(ticket))  # woken by its 1000 bytes: no wait()
+    assert ran == ["read"]
+    assert worker._held == 0
     worker.close()
 
 

@@ -580,9 +580,9 @@ def test_the_reduction_worker_gives_lightning_the_same_values(
     handed: list[int] = []
     submit = ReductionWorker.submit
 
-    def counted(self: ReductionWorker, nbytes: int, make: Any) -> int | None:
+    def counted(self: ReductionWorker, nbytes: int, make: Any, **options: Any) -> int | None:
         handed.append(nbytes)
-        return submit(self, nbytes, make)
+        return submit(self, nbytes, make, **options)
 
     monkeypatch.setattr(ReductionWorker, "submit", counted)
     shared: list[bool] = []  # per tensor handed over: read where it lies, not copied
@@ -637,9 +637,9 @@ def test_a_small_model_goes_to_the_kernels_queue_after_its_first_sample(
     submit, new_sample = ReductionWorker.submit, Measurer.new_sample
     start = ProfileJob.start
 
-    def counted(self: ReductionWorker, nbytes: int, make: Any) -> int | None:
+    def counted(self: ReductionWorker, nbytes: int, make: Any, **options: Any) -> int | None:
         per_sample[-1] += 1
-        return submit(self, nbytes, make)
+        return submit(self, nbytes, make, **options)
 
     def counted_queue(job: ProfileJob, queue: object | None) -> int | None:
         queued[-1] += 1  # every job handed to the kernels' queue starts once

@@ -169,7 +169,10 @@ def test_adam_ratio_is_the_float64_expression(case: str, amsgrad: bool) -> None:
 def test_adam_ratio_of_dense_cpu_tensors_makes_no_temporaries(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The kernels compute it: torch's ``square`` (the first temporary) is never called."""
+    """The kernels compute it: torch's ``square`` (the first temporary) is never called.
+
+    A bfloat16 or a transposed pair, and a NaN ``eps``, take torch's expression.
+    """
     from torchinstruments_core._step_math import adam_ratio
     from torchinstruments_core.reducers import _native
 
@@ -189,3 +192,10 @@ def test_adam_ratio_of_dense_cpu_tensors_makes_no_temporaries(
     state = {"exp_avg_sq": torch.rand(1000).bfloat16(), "step": 3}
     assert adam_ratio(torch.randn(1000).bfloat16(), state, {"betas": (0.9, 0.999)}) is not None
     assert calls == [1000]
+    state = {"exp_avg_sq": torch.rand(20, 50).t(), "step": 3}  # strided: torch's expression
+    assert adam_ratio(torch.randn(20, 50).t(), state, {"betas": (0.9, 0.999)}) is not None
+    assert calls == [1000, 1000]
+    state = {"exp_avg_sq": torch.rand(1000), "step": 3}  # a NaN eps: torch's NaN, no error
+    ratio = adam_ratio(torch.randn(1000), state, {"betas": (0.9, 0.999), "eps": math.nan})
+    assert ratio is not None
+    assert math.isnan(ratio.item())

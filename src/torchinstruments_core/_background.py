@@ -107,7 +107,8 @@ class ReductionWorker:
         self._condition = threading.Condition(lock)  # callers wait here: room, finished jobs
         self._work = threading.Condition(lock)  # the worker waits here: jobs worth a wake
         self._waiters = 0  # callers blocked until jobs run: every job wakes the worker then
-        self._jobs: collections.deque[tuple[Callable[[], None], int, torch.Tensor | None]] = (
+        # each job, the bytes it holds of the budget, its buffer, the bytes it reads (a wake's)
+        self._jobs: collections.deque[tuple[Callable[[], None], int, torch.Tensor | None, int]] = (
             collections.deque()
         )
         self._held = 0  # bytes reserved by jobs not yet finished
@@ -141,8 +142,12 @@ class ReductionWorker:
             self._spares.trim(self._budget - self._held)
         return torch.empty(numel, dtype=dtype)
 
-    def submit(self, nbytes: int, make: Callable[[], Job]) -> int | None:
+    def submit(self, nbytes: int, make: Callable[[], Job], *, held: bool = True) -> int | None:
         """Reserve ``nbytes``, call ``make()`` here for the job, and queue the job.
+
+        ``held=False``: the job reads memory that lives anyway (a tensor read in place,
+        ``Measurer.measure``'s ``in_place``) and reserves none of the budget; its ``nbytes``
+        still count toward the bytes that wake the worker.
 
         ``make`` returns the job and the buffer holding its copy, from ``buffer`` (or ``None``):
         once the job has run, the buffer is kept as a spare for a later copy of its size while
@@ -158,21 +163,22 @@ class ReductionWorker:
         if _current_pid != self._pid or self._closed:  # no worker thread here (fork): run it now
             make()[0]()
             return None
+        reserved = nbytes if held else 0
         with self._lock:  # ``_wait_for_jobs`` waits on the condition of this lock
-            self._budget = max(self._budget, nbytes)
-            while self._held and self._held + nbytes > self._budget:
+            self._budget = max(self._budget, reserved)
+            while self._held and self._held + reserved > self._budget:
                 self._wait_for_jobs()  # the jobs holding the room may not have started
-            self._held += nbytes
+            self._held += reserved
         try:
             job, buffer = make()
         except BaseException:
-            self._release(nbytes)
+            self._release(reserved)
             raise
         with self._lock:
             if self._spares.bytes:  # a copy made without ``buffer`` did not trim them
                 self._spares.trim(self._budget - self._held)
             if not self._closed and self._running():
-                self._jobs.append((job, nbytes, buffer))
+                self._jobs.append((job, reserved, buffer, nbytes))
                 self._submitted += 1
                 self._queued += nbytes
                 if self._queued >= self._wake_bytes or self._waiters:
@@ -182,7 +188,7 @@ class ReductionWorker:
         try:
             job()
         finally:
-            self._release(nbytes)
+            self._release(reserved)
         return None
 
     def wait(self, ticket: int | None = None) -> None:
@@ -258,7 +264,7 @@ class ReductionWorker:
                     self._work.wait()
                 if not self._jobs:
                     return
-                job, nbytes, buffer = self._jobs.popleft()
+                job, reserved, buffer, nbytes = self._jobs.popleft()
                 self._queued -= nbytes
             try:
                 job()
@@ -266,7 +272,7 @@ class ReductionWorker:
                 pass
             finally:
                 del job  # the job holds its copy: freed (or kept spare) before room is given back
-                self._release(nbytes, finished=1, spare=buffer)
+                self._release(reserved, finished=1, spare=buffer)
                 del buffer
 
     def _release(

@@ -340,22 +340,23 @@ class Measurer:
         scale made it, or ``measure``'s ``in_place``); ``shared``: see ``measure``. A copy that
         fails (out of memory) gives a measurement with its reason instead of a job.
 
-        ``read``: ``plain`` is ``measure``'s ``in_place`` tensor, which lives on whether or not
-        a job holds it (a parameter's copy, an update, the optimizer's state, a gradient).
-        Where the job reads it as it is (dense, in its working dtype), it holds none of the
-        workers' byte budget, which bounds what their copies and conversions hold: counted,
-        an optimizer step's large tensors made each hand-over wait for the job two before it
-        (a budget of 8 MiB against 4 MiB weights), and the post-hook's own work with them.
+        ``read``: ``plain`` is ``measure``'s ``in_place`` tensor: the model's or the optimizer's
+        own (a gradient, the optimizer's state), or memory its step record holds anyway (a
+        parameter's copy, the update formed in it, made before the optimizer's step and at
+        their peak there). Where the job reads it as it is (dense, in its working dtype), it
+        holds none of the workers' byte budget, which bounds what their copies and conversions
+        hold: counted, an optimizer step's large tensors made each hand-over wait for the job
+        two before it (a budget of 8 MiB against 4 MiB weights), and the hook's work with them.
         """
         nbytes = plain.numel() * working_dtype(plain.dtype).itemsize
         native = self._native if self._small or queue else None
         as_is = plain.dtype in _QUEUED_DTYPES and plain.is_contiguous()
-        if read and as_is and (native is None or _native.usable(plain)):
-            nbytes = 0  # read where it is (``_native_job``, ``_job``): nothing of theirs held
+        # read where it is (``_native_job``, ``_job``): nothing of the workers' is held
+        held = not (read and as_is and (native is None or _native.usable(plain)))
         try:
             if native is not None:
                 measurement.ticket = native.submit(
-                    nbytes,
+                    nbytes if held else 0,
                     lambda: self._native_job(plain, measurement, with_histogram, owned=owned),
                 )
             else:
@@ -364,6 +365,7 @@ class Measurer:
                     lambda: self._job(
                         plain, measurement, with_histogram, owned=owned, shared=shared
                     ),
+                    held=held,
                 )
         except Exception as error:  # the copy failed (out of memory): no job, a reason
             return Measurement(reducer_error_reason(error), self.metrics, errors=[error])

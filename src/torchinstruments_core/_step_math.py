@@ -107,7 +107,8 @@ def _norms_and_counts(
         zeros.append((gradient == 0).sum())
     parts = [_gathered(norms, device)] if norms else []
     if host_norms:  # the host's float64 norms, rounded to ``dtype`` as torch's would be
-        parts.append(torch.tensor(host_norms, dtype=torch.float64).to(device, dtype))
+        host = torch.tensor(host_norms, dtype=torch.float64)
+        parts.append(host.to(device, dtype, non_blocking=device.type != "cpu"))
     return torch.cat(parts), _total(nonfinite, 0, device), _total(zeros, host_zeros, device)
 
 
@@ -157,26 +158,33 @@ def adam_ratio(
         count = float(step)
     correction = 1 - beta2**count
     eps = float(group.get("eps", 1e-8))
-    if _summed_on_host(gradient, second, correction):
+    if _summed_on_host(gradient, second, correction, eps * eps):
         total = _native.ratio_sum(gradient, second, float(correction), eps * eps)
         return torch.tensor(math.sqrt(total / max(gradient.numel(), 1)), dtype=dtype)
     v_hat = (second.to(dtype) / correction).clamp_(min=eps * eps)  # in place: a new tensor
     return gradient.to(dtype).square().div_(v_hat).mean().sqrt()
 
 
-def _summed_on_host(gradient: torch.Tensor, second: torch.Tensor, correction: Any) -> bool:
+def _summed_on_host(
+    gradient: torch.Tensor, second: torch.Tensor, correction: Any, floor: float
+) -> bool:
     """Whether the kernels' ``ratio_sum`` computes Adam's ratio of these two CPU tensors.
 
-    That is both ``usable`` by the kernels, of one dtype and size, with a positive bias
-    correction known on the host. On a 2.9 M-parameter MLP torch's expression took 4.4 ms of
-    the training thread a step, about half of it faulting in the pages of its three
-    temporaries; the kernels' one pass makes none.
+    That is both contiguous and ``usable`` by the kernels, of one dtype and shape, with a
+    positive bias correction known on the host and a floor that is a number (a NaN ``eps``
+    takes torch's expression, which gives NaN). On a 2.9 M-parameter MLP torch's expression
+    took 4.4 ms of the training thread a step, about half of it faulting in the pages of its
+    three temporaries; the kernels' one pass makes none. A strided pair takes torch's
+    expression too: the kernels would read contiguous copies of both.
     """
     return (
         isinstance(correction, float)
         and correction > 0
+        and floor >= 0
         and gradient.dtype == second.dtype
-        and gradient.numel() == second.numel()
+        and gradient.shape == second.shape
+        and gradient.is_contiguous()
+        and second.is_contiguous()
         and _native.usable(gradient)
         and _native.usable(second)
     )

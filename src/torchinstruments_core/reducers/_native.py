@@ -154,9 +154,10 @@ def ratio_sum(
 ) -> float:
     """The sum of ``gradient**2 / max(second / correction, floor)`` over the entries, in float64.
 
-    One pass over both tensors with the GIL released, and no temporary: torch's expression makes
-    three the size of the tensor, each fresh memory the first touch of which faults its pages
-    in (``_step_math.adam_ratio``). Each entry is ``g**2 * correction / max(v, floor *
+    One pass over both tensors with the GIL released, reading contiguous ones in place (a
+    strided one from a contiguous copy, which ``_step_math.adam_ratio`` leaves to torch), and
+    no temporary: torch's expression makes three the size of the tensor, each fresh memory the
+    first touch of which faults its pages in. Each entry is ``g**2 * correction / max(v, floor *
     correction)``, the same quotient rounded once per operation in float64.
 
     Args:
