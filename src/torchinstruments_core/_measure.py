@@ -230,12 +230,9 @@ class Measurer:
         queue, whose thread reduces it without the GIL, whatever the size of the sample, and it
         does not count toward the size of the next forward sample (``SMALL_SAMPLE_ENTRIES``
         weighs what copying a sample's activations and gradients costs its hooks). It is copied
-        there (the optimizer changes a parameter as soon as it is measured) unless ``in_place``
-        says that nothing changes ``tensor`` until its reduction has run (an update, the
-        optimizer's state after the update, a parameter's copy taken for its update, a gradient
-        whose reduction the pre-hook waits for: see ``_step_tensors``): a worker then reads it
-        where it is, without a copy and outside the workers' byte budget (``_hand_over``),
-        where it is contiguous and in its working dtype.
+        there unless ``in_place`` says that nothing changes ``tensor`` until its reduction has
+        run (see ``_step_tensors``): a worker then reads it where it is, outside the workers'
+        byte budget (``_hand_over``), where it is contiguous and in its working dtype.
         """
         if (  # a small sample's plain float CPU tensor, nearly all of one: checked here, inline
             scale is None
@@ -276,14 +273,10 @@ class Measurer:
                 self._worker.wait()
             self._fill(plain, measurement, with_histogram, self._index_cache, plain.dtype)
             return measurement
-        owned = scale is not None or in_place  # the division by a scale made it, or nobody
+        # the division by a scale made it (ours), or nobody changes it (``in_place``: not ours)
+        owned, read = scale is not None or in_place, in_place and scale is None
         return self._hand_over(
-            plain,
-            measurement,
-            with_histogram,
-            owned=owned,
-            shared=shared,
-            read=in_place and scale is None,
+            plain, measurement, with_histogram, owned=owned, shared=shared, read=read
         )
 
     def _queue(
