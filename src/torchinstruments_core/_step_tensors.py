@@ -218,8 +218,9 @@ def updates(copies: list[PreStepCopy]) -> Iterator[StepTensor | StepScalars]:
 
     The update is computed into the copy's own memory (after minus before), measured where it
     is (``StepTensor.in_place``), and the copy is let go before the next one: nothing beyond
-    the copies is held but what the reductions of the copies still read. The caller waits
-    for the reductions of the parameters measured from these copies first.
+    the copies is held, each by its reduction until its values are read back (on the kernels'
+    queue, when the record is delivered). The caller waits for the reductions of the
+    parameters measured from these copies first.
     """
     norms: list[torch.Tensor] = []
     while copies:
