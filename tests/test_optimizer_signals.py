@@ -320,22 +320,53 @@ def test_step_rows_off_the_hooks_equal_those_in_them(make: Any) -> None:
     records = {}
     for background_reductions in (True, False):
         model = float64_mlp()
-        optimizer = make(model.parameters())
-        reference = Reference(optimizer, parameter_names(model))
-        sink = RecordingSink()
-        with inject_observer(
-            model,
-            sampler=AlwaysSampler(),
-            sink=sink,
-            optimizer=optimizer,
-            background_reductions=background_reductions,
-        ):
-            train(model, [optimizer], steps=3)
-        records[background_reductions] = step_records(sink)
-        for record, copies in zip(records[background_reductions], reference.steps, strict=True):
-            _check_parameters(record, copies)
+        records[background_reductions] = _checked_steps(
+            model, make(model.parameters()), 3, background_reductions=background_reductions
+        )
     assert [r.rows for r in records[True]] == [r.rows for r in records[False]]
     assert [r.histograms for r in records[True]] == [r.histograms for r in records[False]]
+
+
+@pytest.mark.parametrize("background_reductions", [True, False])
+def test_parameters_of_one_shape_keep_copies_of_their_own(background_reductions: bool) -> None:
+    """Parameters of one dtype and shape each get their own copy, step after step.
+
+    The copies' memory is kept from one recorded step to the next (``CopyBuffers``, one buffer
+    per dtype and shape while it is free): three weights and three biases of one shape, five
+    AdamW steps, every parameter and update row against the test's float64 copies.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 3)
+    ).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    records = _checked_steps(model, optimizer, 5, background_reductions=background_reductions)
+    assert len(records) == 5
+
+
+def _checked_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    *,
+    background_reductions: bool,
+) -> list[SampleRecord]:
+    """``steps`` recorded steps, each one's parameter and update rows checked; the records."""
+    reference = Reference(optimizer, parameter_names(model))
+    sink = RecordingSink()
+    with inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        sink=sink,
+        optimizer=optimizer,
+        background_reductions=background_reductions,
+    ):
+        train(model, [optimizer], steps=steps)
+    records = step_records(sink)
+    assert len(records) == len(reference.steps) == steps
+    for record, copies in zip(records, reference.steps, strict=True):
+        _check_parameters(record, copies)
+    return records
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

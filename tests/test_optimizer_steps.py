@@ -139,11 +139,13 @@ def test_runs_without_the_note_column_read_as_null(tmp_path: pathlib.Path) -> No
     assert scan_samples(tmp_path / "old").collect()["note"].to_list() == [None]
 
 
-def test_the_update_copy_is_one_copy_of_the_parameters_freed_after_the_step() -> None:
-    """CPU: ``update`` costs one copy of the parameters, freed; an unsampled step nothing.
+def test_the_update_copy_is_one_copy_of_the_parameters_kept_until_removal() -> None:
+    """CPU: ``update`` costs one copy of the parameters, kept for the next recorded step.
 
-    A recorded step with ``update`` peaks at most the observed parameters' size above one
-    without it, and both leave no tensor behind.
+    The first recorded step with ``update`` peaks, and ends, at most the observed parameters'
+    size above one without it (the copies' buffers, ``CopyBuffers``); the next recorded step
+    allocates nothing more for them; removing the observer frees them. An unsampled step
+    allocates nothing.
     """
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Linear(256, 8))
@@ -155,29 +157,34 @@ def test_the_update_copy_is_one_copy_of_the_parameters_freed_after_the_step() ->
         sampler = EveryNForwardsSampler(every)
         found = []
         # inline reductions: the profiler does not see the reduction worker's frees
-        with inject_observer(
+        observer = inject_observer(
             model,
             sampler=sampler,
             sink=sink,
             optimizer=optimizer,
             step_signals=signals,
             background_reductions=False,
-        ):
-            for _ in range(2):
-                model(torch.randn(4, 256)).sum().backward()
-                memory = tensor_memory(optimizer.step)
-                found.append((memory.peak, memory.net))
-                optimizer.zero_grad(set_to_none=False)
+        )
+        for _ in range(2):
+            model(torch.randn(4, 256)).sum().backward()
+            memory = tensor_memory(optimizer.step)
+            found.append((memory.peak, memory.net))
+            optimizer.zero_grad(set_to_none=False)
+        removal = tensor_memory(observer.remove)
+        found.append((removal.peak, removal.net))
         return found
 
     every_signal = ("parameter", "parameter_gradient", "update", "optimizer_state")
-    with_update = step_memory(every_signal, every=1)
-    without = step_memory(("parameter", "parameter_gradient", "optimizer_state"), every=1)
-    unsampled = step_memory(every_signal, every=100)[1]
-    for (peak, net), (peak_without, net_without) in zip(with_update, without, strict=True):
-        assert size <= peak - peak_without <= size + 1024
-        assert net == net_without == 0
-    assert unsampled == (0, 0)
+    first, second, removal = step_memory(every_signal, every=1)
+    first_without, second_without, removal_without = step_memory(
+        ("parameter", "parameter_gradient", "optimizer_state"), every=1
+    )
+    assert size <= first[0] - first_without[0] <= size + 1024
+    assert first[1] - first_without[1] == size  # kept: the buffers
+    assert abs(second[0] - second_without[0]) <= 1024  # the same buffers again
+    assert second[1] == second_without[1] == 0
+    assert removal[1] - removal_without[1] == -size
+    assert step_memory(every_signal, every=100)[1] == (0, 0)  # the first step is recorded
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

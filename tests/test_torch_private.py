@@ -6,6 +6,7 @@ or memory silently mis-measured.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.utils.checkpoint as checkpoint
 from torch.profiler import ProfilerActivity, profile
@@ -15,6 +16,7 @@ from torchinstruments_core._torch_private import (
     in_backward,
     memory_events,
     queue_callback,
+    storage_holders,
     version,
     view_base,
 )
@@ -109,3 +111,24 @@ def test_view_base_is_the_tensor_every_view_was_taken_of() -> None:
     assert view_base(flat[3:].view(3, 3)) is tensor  # through every view in between
     assert view_base(tensor) is None
     assert view_base(tensor * 2) is None
+
+
+def test_storage_holders_counts_every_tensor_on_the_memory() -> None:
+    """Views and detached aliases each count one; the count falls back as they go.
+
+    Where this torch build has no count (before 2.5 without CUDA) it is ``None`` and the
+    parameters' copies are never reused (``_copy_buffers``).
+    """
+    tensor = torch.zeros(16)
+    alone = storage_holders(tensor)
+    if alone is None:
+        pytest.skip("this torch build cannot count holders")
+    view = tensor[4:].view(3, 4)
+    alias = tensor.detach()
+    assert storage_holders(tensor) == alone + 2
+    assert storage_holders(view) == alone + 2
+    del view
+    assert storage_holders(alias) == alone + 1
+    del alias
+    assert storage_holders(tensor) == alone
+    assert storage_holders(torch.zeros(16)) == alone  # a fresh tensor: the same baseline

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchinstruments_core._copy_buffers import CopyBuffers
 from torchinstruments_core._exceptions import ConfigurationError
 from torchinstruments_core._records import STEP_SKIPPED
 from torchinstruments_core._sharded import holds_shards
@@ -118,6 +119,7 @@ class OptimizerProbe:
         self._pending: dict[int, _Pending] = {}
         self._stepping = False  # between a claimed pre-hook and its post-hook
         self._sampled_step: int | None = None  # the step in progress, when announced sampled
+        self._buffers = CopyBuffers()  # the parameters' copies' memory, from step to step
 
     @property
     def watching(self) -> bool:
@@ -205,7 +207,7 @@ class OptimizerProbe:
             try:
                 self._lifecycle.measure_step(record, gradients)  # read in place, reduced meanwhile
                 tensors, pending.copies = before_step(
-                    optimizer, self._parameters, self._signals, scale
+                    optimizer, self._parameters, self._signals, scale, self._buffers
                 )
             finally:  # before the optimizer may change them, whatever failed meanwhile
                 if gradients:
@@ -251,6 +253,7 @@ class OptimizerProbe:
         self._window.close()
         self._window.watching = False
         self._parameters = None
+        self._buffers.clear()
 
 
 class _Once:

@@ -8,9 +8,11 @@ After the update (the step post-hook): each parameter's change (``update``, with
 
 The copies are the only memory this holds across the update: one copy of the observed parameters
 that have a gradient, in their own dtype, each let go as soon as its update is measured (the
-reduction reading it holds it until it has run). A parameter with such a copy is measured from
-it; the update is formed in it, and it, the optimizer's state and the update are reduced where
-they are (``StepTensor.in_place``): nothing changes them before the record is delivered. The
+reduction reading it holds it until it has run); on the CPU their memory is kept for the next
+recorded step (``CopyBuffers``), where it is written again only once nobody holds it. A
+parameter with such a copy is measured from it; the update is formed in it, and it, the
+optimizer's state and the update are reduced where they are (``StepTensor.in_place``):
+nothing changes them before the record is delivered. The
 gradients are read where they are too, measured first (``gradient_tensors``): the pre-hook
 waits for their reductions before it returns, while it makes the copies and the whole-model
 row, so that the optimizer may change them afterwards.
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 
     from torch import nn
 
+    from torchinstruments_core._copy_buffers import CopyBuffers
     from torchinstruments_core._layers import Layer
 
 UPDATE_TO_WEIGHT = "update_to_weight"
@@ -152,10 +155,12 @@ def before_step(
     parameters: ParameterMap,
     signals: frozenset[Signal],
     scale: torch.Tensor | None,
+    buffers: CopyBuffers,
 ) -> tuple[list[StepTensor | StepScalars], list[PreStepCopy]]:
     """The parameters and the whole-model gradient row, and the copies the updates need.
 
-    Each observed parameter's gradient is measured apart, first (``gradient_tensors``).
+    Each observed parameter's gradient is measured apart, first (``gradient_tensors``). The
+    copies go into ``buffers``' memory where it has some free (``CopyBuffers``).
     """
     tensors: list[StepTensor | StepScalars] = []
     copies: list[PreStepCopy] = []
@@ -171,7 +176,7 @@ def before_step(
             continue
         copy = None
         if gradient is not None and Signal.UPDATE in signals:
-            copy = _copy(parameter, owner)
+            copy = _copy(parameter, owner, buffers)
             if copy is not None:
                 copies.append(copy)
         if Signal.PARAMETER in signals:
@@ -206,11 +211,11 @@ def _tensor(
     return StepTensor(owner.layer, signal, path, tensor, histogram, tuple(extra), in_place=in_place)
 
 
-def _copy(parameter: torch.Tensor, owner: Owner) -> PreStepCopy | None:
+def _copy(parameter: torch.Tensor, owner: Owner, buffers: CopyBuffers) -> PreStepCopy | None:
     values = plain_tensor(parameter)  # a DTensor's local shard: the update is the shard's
     if not isinstance(values, torch.Tensor):
         return None
-    return PreStepCopy(parameter, owner, values.clone(), norm(values))
+    return PreStepCopy(parameter, owner, buffers.copy(values), norm(values))
 
 
 def updates(copies: list[PreStepCopy]) -> Iterator[StepTensor | StepScalars]:
@@ -228,7 +233,9 @@ def updates(copies: list[PreStepCopy]) -> Iterator[StepTensor | StepScalars]:
         after = plain_tensor(copy.parameter)
         if not isinstance(after, torch.Tensor):
             continue
-        update = copy.values.neg_().add_(after)  # after - before, exactly: negation is exact
+        # after - before into the copy's memory, one pass: an output that is exactly one of
+        # the inputs is allowed
+        update = torch.sub(after, copy.values, out=copy.values)
         size = norm(update)
         norms.append(size)
         ratio = update_to_weight(size, copy.weight_norm)

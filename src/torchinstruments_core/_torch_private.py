@@ -17,6 +17,11 @@ fails loudly instead of silently mis-correlating gradients or mis-measuring memo
   ``FunctionEvent`` list folds allocations into the ops that made them and drops the time of
   each free, so peak tensor memory on the CPU, which has no allocator statistics, needs the raw
   Kineto events (``testing.tensor_memory``).
+- ``storage_holders``: how many tensors hold a tensor's memory. The parameters' copies of a
+  recorded step go into buffers kept for the next one (``_copy_buffers``), written again only
+  once nothing but the pool holds them; torch's own CUDA graph trees read the same count.
+  Missing from builds before 2.5 without CUDA (it was registered with the CUDA module): then
+  ``None``, and every copy is fresh memory.
 """
 
 from __future__ import annotations
@@ -85,3 +90,17 @@ def memory_events(profiler: profile) -> list[tuple[int, int]]:
         if event.name() == "[memory]" and event.device_type() == cpu
     ]
     return sorted(memory, key=lambda item: item[0])  # stable: ties keep the recorded order
+
+
+_storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_holders(tensor: torch.Tensor) -> int | None:
+    """How many tensors (views, aliases) hold ``tensor``'s storage; ``None`` where unknown.
+
+    Counted while this call holds one more reference of its own: compare against the count of
+    a known state of the same tensor, not against a constant.
+    """
+    if _storage_use_count is None:
+        return None
+    return int(_storage_use_count(tensor.untyped_storage()._cdata))
