@@ -231,7 +231,7 @@ def test_kernels_built_from_other_sources_are_not_used(monkeypatch: pytest.Monke
     stale.__file__ = "/old/_kernels.abi3.so"
     monkeypatch.setitem(sys.modules, stale.__name__, stale)
     monkeypatch.setattr(reducers, "_kernels", stale, raising=False)
-    with pytest.warns(RuntimeWarning, match=r"/old/_kernels.abi3.so .*layout 1, .*needs 3"):
+    with pytest.warns(RuntimeWarning, match=r"/old/_kernels.abi3.so .*layout 1, .*needs 4"):
         assert _compiled.load() is None
 
 
@@ -775,3 +775,53 @@ def test_the_ratio_sum_refuses_arguments_out_of_range() -> None:
     ]:
         with pytest.raises(ValueError, match="out of range"):
             kernels.ratio_sum(pointer, pointer, 8, dtype, correction, floor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("numel", [0, 1, 15, 16, 17, 4097, 300_001])
+def test_the_shifted_squares_are_the_float64_sum(dtype: torch.dtype, numel: int) -> None:
+    """``shifted_squares``: the sum of (x - shift)**2, within 1e-12 of ``math.fsum``'s."""
+    generator = torch.Generator().manual_seed(numel)
+    values = (torch.randn(numel, generator=generator, dtype=torch.float64) * 1e-3 + 7.0).to(dtype)
+    shift = 7.0 + 1e-5
+    exact = math.fsum((float(x) - shift) ** 2 for x in values.tolist())
+    assert _native.shifted_squares(values, shift) == pytest.approx(exact, rel=1e-12, abs=0.0)
+    strided = values.repeat_interleave(2)[::2]  # a strided view: read from a contiguous copy
+    assert _native.shifted_squares(strided, shift) == _native.shifted_squares(values, shift)
+    kernels = _native.KERNELS
+    assert kernels is not None
+    with pytest.raises(ValueError, match="out of range"):  # no dtype 2
+        kernels.shifted_squares(values.data_ptr(), numel, 2, shift)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_moments_of_a_large_mean_are_finished_in_the_kernels(dtype: torch.dtype) -> None:
+    """A mean large against the spread, a constant, one entry: the kernels finish the moments.
+
+    Their second pass (squares about the mean) gives the float64 mean, std, rms and l2 norm of
+    the entries, rounded to the dtype (the one pass's squares less the squared total cancelled:
+    these were left to the host); only squares that need scaling (entries near the dtype's
+    smallest normal) still are.
+    """
+    generator = torch.Generator().manual_seed(3)
+    tensors = [
+        torch.randn(50_000, generator=generator, dtype=torch.float64) * 1e-4 + 1.0,
+        torch.randn(192, generator=generator, dtype=torch.float64) * 1e-6 - 250.0,
+        torch.full((1000,), 0.1, dtype=torch.float64),
+        torch.tensor([2.5], dtype=torch.float64),
+    ]
+    for tensor in (t.to(dtype) for t in tensors):
+        profiled = _native.profile(tensor, None, _native.profile_shape(0, None, 0))
+        assert profiled.status == _native.STATUS_OK
+        mean, std, lo, hi, _, _, rms, max_abs, l2 = profiled.values[: _native.MOMENTS].tolist()
+        exact = np.asarray(tensor.tolist(), dtype=np.float64)
+        assert mean == pytest.approx(exact.mean(), rel=1e-6 if dtype == torch.float32 else 1e-14)
+        assert std == pytest.approx(exact.std(), rel=1e-5, abs=1e-12 * abs(exact.mean()))
+        assert rms == pytest.approx(np.sqrt(np.mean(exact**2)), rel=1e-6)
+        assert l2 == pytest.approx(np.sqrt(np.sum(exact**2)), rel=1e-6)
+        assert (lo, hi, max_abs) == (exact.min(), exact.max(), np.abs(exact).max())
+        if exact.min() == exact.max():  # no spread but the float64 mean's rounding
+            assert std <= 1e-14 * abs(mean)
+    tiny = torch.randn(1000, generator=generator).to(dtype) * torch.finfo(dtype).tiny
+    profiled = _native.profile(tiny, None, _native.profile_shape(0, None, 0))
+    assert profiled.status == _native.STATUS_MOMENTS_ON_HOST

@@ -116,7 +116,7 @@ def test_view_base_is_the_tensor_every_view_was_taken_of() -> None:
 def test_storage_holders_counts_every_tensor_on_the_memory() -> None:
     """Views and detached aliases each count one; the count falls back as they go.
 
-    Where this torch build has no count (before 2.5 without CUDA) it is ``None`` and the
+    Where this torch build has no count (before 2.8 without CUDA) it is ``None`` and the
     parameters' copies are never reused (``_copy_buffers``).
     """
     tensor = torch.zeros(16)

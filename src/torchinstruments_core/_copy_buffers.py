@@ -13,7 +13,7 @@ A kept buffer is handed out again only when nothing but the pool holds its memor
 storage's use count (``_torch_private.storage_holders``) is back to what it was when the buffer
 was made. The reductions that read an update where it is, the step record's tensors and any
 view of them all count, so a buffer still read somewhere is never written. Where torch cannot
-count (builds before 2.5 without CUDA), every copy is fresh, as without the pool. Other
+count (builds before 2.8 without CUDA), every copy is fresh, as without the pool. Other
 devices' allocators cache their blocks already: only CPU copies are kept.
 """
 

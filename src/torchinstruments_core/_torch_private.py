@@ -20,8 +20,8 @@ fails loudly instead of silently mis-correlating gradients or mis-measuring memo
 - ``storage_holders``: how many tensors hold a tensor's memory. The parameters' copies of a
   recorded step go into buffers kept for the next one (``_copy_buffers``), written again only
   once nothing but the pool holds them; torch's own CUDA graph trees read the same count.
-  Missing from builds before 2.5 without CUDA (it was registered with the CUDA module): then
-  ``None``, and every copy is fresh memory.
+  Missing from builds before 2.8 without CUDA (registered with the CUDA module until
+  pytorch#155451): then ``None``, and every copy is fresh memory.
 """
 
 from __future__ import annotations

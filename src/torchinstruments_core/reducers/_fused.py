@@ -165,8 +165,10 @@ class FusedReductions:
     ) -> Fused | None:
         """The values of ``profiled``, the kernels' output for ``call``, or ``None`` (``reduce``).
 
-        ``prepared`` gives the tensor, for the second pass of moments left to the host (its
-        squares about a shift); it is called only then.
+        ``prepared`` gives the tensor, for moments the kernels left to the host (squares that
+        need scaling: ``host_moment_values`` then gives ``None`` and the reducers scale them; the
+        kernels make the second pass about the mean themselves since layout 4); it is called
+        only then.
         """
         status = profiled.status
         if status != _native.STATUS_OK and status != _native.STATUS_MOMENTS_ON_HOST:

@@ -148,6 +148,32 @@ DEFINE_SUMMARY(summary_f64, double)
 DEFINE_RATIO(ratio_f32, float)
 DEFINE_RATIO(ratio_f64, double)
 
+/* ---- the moments' second pass: squares about a shift ------------------------------------- */
+
+/* The sum of (x[i] - shift)^2 in double: where the mean is large against the spread, the first
+   pass's sum of squares less the squared total cancels (``functional.host_moment_values``). */
+#define DEFINE_SHIFTED(NAME, T)                                                                \
+    TI_CLONES static double NAME(const T* x, int64_t n, double shift) {                        \
+        double sums[LANES] = {0};                                                              \
+        int64_t i = 0;                                                                         \
+        for (; n - i >= LANES; i += LANES) {                                                   \
+            for (int j = 0; j < LANES; j++) {                                                  \
+                double d = (double)x[i + j] - shift;                                           \
+                sums[j] += d * d;                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        double total = 0.0;                                                                    \
+        for (int j = 0; j < LANES; j++) total += sums[j];                                      \
+        for (; i < n; i++) {                                                                   \
+            double d = (double)x[i] - shift;                                                   \
+            total += d * d;                                                                    \
+        }                                                                                      \
+        return total;                                                                          \
+    }
+
+DEFINE_SHIFTED(shifted_f32, float)
+DEFINE_SHIFTED(shifted_f64, double)
+
 /* ---- the histogram's grid: _host_binning.host_grid, operation for operation ---------------- */
 
 #define DEFINE_GRID(NAME, T, MAX, EPS, ABS)                                                    \
@@ -649,13 +675,15 @@ enum { STATUS_MOMENTS_ON_HOST = 4 };
 
 /* From the summary (``numbers``: total, squares, lo, hi, zeros), the order statistics after it
    and the grid after them, the values the reducers give, rounded to T: ``moments``' nine (as
-   ``functional.host_moment_values``), the quantiles (as ``QuantilePlan.interpolate``: a level is
-   its weight and the places of its low and high entry among the order statistics) and the packed
-   histogram (as ``_host_binning.pack_histogram``). Returns STATUS_MOMENTS_ON_HOST, moments left
-   unwritten, where ``host_moment_values`` would scale the squares or make a second pass. */
-#define DEFINE_FINISH(NAME, T, MIN_NORMAL, EPS, MAX)                                           \
-    static int NAME(const double* numbers, int64_t n, int64_t count, const double* levels,     \
-                    int64_t nlevels, int64_t bins, const int64_t* counts, T* values) {         \
+   ``functional.host_moment_values``, its second pass over the ``n`` entries at ``x`` here, with
+   ``SHIFTED``), the quantiles (as ``QuantilePlan.interpolate``: a level is its weight and the
+   places of its low and high entry among the order statistics) and the packed histogram (as
+   ``_host_binning.pack_histogram``). Returns STATUS_MOMENTS_ON_HOST, moments left unwritten,
+   where ``host_moment_values`` would scale the squares. */
+#define DEFINE_FINISH(NAME, T, MIN_NORMAL, EPS, MAX, SHIFTED)                                  \
+    static int NAME(const double* numbers, const T* x, int64_t n, int64_t count,               \
+                    const double* levels, int64_t nlevels, int64_t bins, const int64_t* counts, \
+                    T* values) {                                                               \
         const double total = numbers[0], squares = numbers[1], lo = numbers[2];                \
         const double hi = numbers[3], zeros = numbers[4], count_n = (double)n;                 \
         int status = STATUS_OK;                                                                \
@@ -664,8 +692,14 @@ enum { STATUS_MOMENTS_ON_HOST = 4 };
         double high = sqrt((double)(MAX) / (4.0 * count_n));                                   \
         double mean = total / count_n;                                                         \
         double m2 = squares - total * mean;                                                    \
-        if (!(max_abs == 0.0 || (low <= max_abs && max_abs < high)) ||                         \
-            !(isfinite(m2) && m2 > 0.0 && mean * mean * count_n <= 4.0 * m2)) {                \
+        int safe = max_abs == 0.0 || (low <= max_abs && max_abs < high);                       \
+        if (safe && !(isfinite(m2) && m2 > 0.0 && mean * mean * count_n <= 4.0 * m2)) {        \
+            /* about the mean rounded to T, then corrected for the rounding */                 \
+            double shift = (double)(T)mean;                                                    \
+            m2 = SHIFTED(x, n, shift) - count_n * ((mean - shift) * (mean - shift));           \
+            m2 = m2 > 0.0 ? m2 : 0.0;                                                          \
+        }                                                                                      \
+        if (!safe || !isfinite(m2)) {                                                          \
             status = STATUS_MOMENTS_ON_HOST;                                                   \
         } else {                                                                               \
             double variance = m2 / count_n;                                                    \
@@ -711,8 +745,8 @@ enum { STATUS_MOMENTS_ON_HOST = 4 };
         return status;                                                                         \
     }
 
-DEFINE_FINISH(finish_f32, float, FLT_MIN, FLT_EPSILON, FLT_MAX)
-DEFINE_FINISH(finish_f64, double, DBL_MIN, DBL_EPSILON, DBL_MAX)
+DEFINE_FINISH(finish_f32, float, FLT_MIN, FLT_EPSILON, FLT_MAX, shifted_f32)
+DEFINE_FINISH(finish_f64, double, DBL_MIN, DBL_EPSILON, DBL_MAX, shifted_f64)
 
 enum { STATUS_NO_MEMORY = 8 };
 
@@ -752,10 +786,11 @@ static int profile_run(const void* data, int64_t n, int64_t dtype, const void* i
         status = reduce_into(data, n, dtype, index, m, ranks, count, bins, lanes, numbers, counts,
                              &failed);
         if (!failed && status == STATUS_OK)
-            status = dtype == DTYPE_FLOAT32 ? finish_f32(numbers, n, count, levels, nlevels, bins,
-                                                         counts, (float*)values)
-                                            : finish_f64(numbers, n, count, levels, nlevels, bins,
-                                                         counts, (double*)values);
+            status = dtype == DTYPE_FLOAT32
+                         ? finish_f32(numbers, (const float*)data, n, count, levels, nlevels, bins,
+                                      counts, (float*)values)
+                         : finish_f64(numbers, (const double*)data, n, count, levels, nlevels,
+                                      bins, counts, (double*)values);
         if (!failed && bins > 0 && (status == STATUS_OK || status == STATUS_MOMENTS_ON_HOST)) {
             /* the counts are packed: their buffer, bins + 1 eight-byte slots, holds the edges */
             double* found = (double*)(void*)counts;
@@ -1379,6 +1414,31 @@ static PyObject* ratio_sum(PyObject* module, PyObject* const* args, Py_ssize_t n
     return PyFloat_FromDouble(total);
 }
 
+/* shifted_squares(values, n, dtype, shift) -> float
+ *
+ * The sum of (x - shift)^2 over the n entries at ``values`` (float32 or float64, contiguous), in
+ * double: the moments' second pass, the same loop ``profile`` runs. */
+static PyObject* shifted_squares(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    void* values;
+    int64_t n, dtype;
+    if (check_args(nargs, 4, "shifted_squares") || as_pointer(args[0], &values) ||
+        as_int64(args[1], &n) || as_int64(args[2], &dtype))
+        return NULL;
+    double shift = PyFloat_AsDouble(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (n < 0 || (dtype != DTYPE_FLOAT32 && dtype != DTYPE_FLOAT64)) {
+        PyErr_SetString(PyExc_ValueError, "shifted_squares: an argument is out of range");
+        return NULL;
+    }
+    double total;
+    Py_BEGIN_ALLOW_THREADS
+    total = dtype == DTYPE_FLOAT32 ? shifted_f32((const float*)values, n, shift)
+                                   : shifted_f64((const double*)values, n, shift);
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(total);
+}
+
 /* crc32c(data) -> int: the CRC-32C of a bytes-like object. */
 static PyObject* crc32c_of(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
     (void)module;
@@ -1408,6 +1468,8 @@ static PyMethodDef methods[] = {
      "Uniform positions of a subsample, from a seed."},
     {"ratio_sum", (PyCFunction)(void (*)(void))ratio_sum, METH_FASTCALL,
      "Sum of g^2 / max(v / c, floor): Adam's gradient-to-second-moment ratio, squared, times n."},
+    {"shifted_squares", (PyCFunction)(void (*)(void))shifted_squares, METH_FASTCALL,
+     "Sum of (x - shift)^2 in double: the moments' second pass."},
     {"crc32c", (PyCFunction)(void (*)(void))crc32c_of, METH_FASTCALL,
      "The CRC-32C of a bytes-like object."},
 #ifdef TI_QUEUE
@@ -1434,8 +1496,9 @@ static struct PyModuleDef module_definition = {
 
 /* The layout of the buffers the calls read and write, checked by ``_compiled.load`` (its
    ``LAYOUT``): a module built from older sources, which a failed rebuild leaves in place, would
-   pass the size checks and leave new fields unwritten. 2: the histogram's edges follow it; 3: ratio_sum. */
-#define KERNELS_LAYOUT 3
+   pass the size checks and leave new fields unwritten. 2: the histogram's edges follow it;
+   3: ratio_sum; 4: the moments' second pass in profile, shifted_squares. */
+#define KERNELS_LAYOUT 4
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     crc_prepare();

@@ -181,6 +181,24 @@ def ratio_sum(
     return total
 
 
+def shifted_squares(values: torch.Tensor, shift: float) -> float:
+    """The sum of ``(x - shift)**2`` over the entries of ``values``, in float64.
+
+    The moments' second pass (``functional.host_moment_values``), the loop ``profile`` runs
+    where a mean is large against the spread: both give the same sum for the same tensor.
+
+    Args:
+        values: A ``usable`` tensor (read from a contiguous copy where it is strided).
+        shift: The number subtracted from each entry (in float64).
+    """
+    assert KERNELS is not None, "shifted_squares needs the compiled kernels (check usable first)"
+    values = _dense(values)
+    total: float = KERNELS.shifted_squares(
+        values.data_ptr(), values.numel(), _DTYPES[values.dtype], float(shift)
+    )
+    return total
+
+
 class Profiled(NamedTuple):
     """What ``profile`` gives for one tensor."""
 

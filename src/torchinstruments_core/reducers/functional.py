@@ -151,7 +151,14 @@ def host_moment_values(
 
 
 def shifted_squares(prepared: PreparedTensor, shift: float, chunk_size: int) -> float:
-    """The sum of ``(x - shift)**2`` over the entries, chunk by chunk, each chunk's in float."""
+    """The sum of ``(x - shift)**2`` over the entries.
+
+    In float64 in one pass of the kernels where they read the tensor (``_native
+    .shifted_squares``: the loop their ``profile`` runs, so a kernel call and the reducers give
+    the same moments); otherwise chunk by chunk, each chunk's sum in float.
+    """
+    if _native.usable(prepared.values):
+        return _native.shifted_squares(prepared.values, shift)
     return sum(float((chunk - shift).square_().sum()) for chunk, _ in prepared.chunks(chunk_size))
 
 
