@@ -8,7 +8,7 @@ recorded value is checked against statistics of those copies.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -35,7 +35,11 @@ from torchinstruments_core import (
     SampleRecord,
     inject_observer,
 )
+from torchinstruments_core.reducers import _native
 from torchinstruments_core.testing import RecordingSink
+
+if TYPE_CHECKING:
+    from torchinstruments_core.reducers._host import HostSummary
 
 
 def _check_parameters(record: SampleRecord, reference: Any) -> None:
@@ -391,3 +395,49 @@ def test_cuda_step_rows_match_float64_copies() -> None:
     assert len(records) == 3
     for record, copies in zip(records, reference.steps, strict=True):
         _check_parameters(record, copies)
+
+
+@pytest.mark.skipif(not _native.QUEUE, reason="the kernels have no queue here")
+def test_the_whole_model_row_takes_each_observed_gradient_s_own_reduction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An observed gradient that the kernels' queue reduced makes no second pass for the row.
+
+    Its sum of squares and zeros come from its own reduction (``Measurement.summary``); the
+    gradient of an unobserved module is summed for the row alone. The row still holds
+    ``clip_grad_norm_``'s norm and torch's zero count of every gradient the optimizer used.
+    """
+    from torchinstruments_core import _step_math, by_name
+
+    summed: list[int] = []
+    finite_summary = _step_math._finite_summary
+
+    def counted(gradient: torch.Tensor) -> HostSummary | None:
+        summed.append(gradient.numel())
+        return finite_summary(gradient)
+
+    monkeypatch.setattr(_step_math, "_finite_summary", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    reference = Reference(optimizer, parameter_names(model))
+    sink = RecordingSink()
+    with inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        sink=sink,
+        optimizer=optimizer,
+        selector=by_name("0"),
+        background_reductions=True,
+    ):
+        train(model, [optimizer], steps=2)
+    assert sorted(summed) == [3, 3, 24, 24]  # the unobserved Linear(8, 3), each step
+    for record, copies in zip(step_records(sink), reference.steps, strict=True):
+        rows = values_of(record)
+        gradients = list(copies.gradient.values())
+        every = torch.cat([g.reshape(-1) for g in gradients])
+        norm = rows[(MODEL, "parameter_gradient", "*", "l2_norm")]
+        assert norm == pytest.approx(torch.linalg.vector_norm(every).item(), rel=1e-6)
+        zeros = int((every == 0).sum())
+        assert rows[(MODEL, "parameter_gradient", "*", "zero_count")] == zeros
+        assert rows[(MODEL, "parameter_gradient", "*", "nonfinite_count")] == 0

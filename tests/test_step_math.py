@@ -18,6 +18,11 @@ from torchinstruments_core._step_math import whole_gradient
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    import numpy as np
+    from numpy.typing import NDArray
+
+    from torchinstruments_core.reducers._host import HostSummary
+
 
 def _finite_with_zeros(dtype: torch.dtype) -> torch.Tensor:
     gradient = torch.randn(64, 48, generator=torch.Generator().manual_seed(3)).to(dtype)
@@ -103,6 +108,38 @@ def test_finite_cpu_gradients_take_one_pass_of_the_kernels(monkeypatch: pytest.M
     assert calls == []
     whole_gradient(CASES["nan"]())
     assert calls == [64 * 48]  # only the gradient with the NaN
+
+
+def test_a_gradient_s_own_summary_gives_the_same_row_without_a_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``summaries`` (the kernels' summary of a gradient's own reduction) replace its pass.
+
+    The row equals the one made without them, bit for bit; a gradient whose summary is
+    ``None`` (or whose dtype the kernels' pass does not sum) is summed as before.
+    """
+    from torchinstruments_core import _step_math
+    from torchinstruments_core.reducers import _native
+
+    if not _native.usable(torch.zeros(4)):
+        pytest.skip("without the compiled kernels no reduction has a summary")
+    gradients = CASES["float32"]() + CASES["float64"]() + CASES["bfloat16"]()
+    shape = _native.profile_shape(0, None, 0)
+    summaries: list[NDArray[np.float64] | None] = [
+        _native.profile(g.reshape(-1), None, shape).numbers for g in gradients[:3]
+    ]
+    expected = whole_gradient(gradients).values.tolist()
+    summed: list[int] = []
+    finite_summary = _step_math._finite_summary
+
+    def counted(gradient: torch.Tensor) -> HostSummary | None:
+        summed.append(gradient.numel())
+        return finite_summary(gradient)
+
+    monkeypatch.setattr(_step_math, "_finite_summary", counted)
+    summaries += [None, summaries[0]]  # the bfloat16 one is summed whatever it is handed
+    assert whole_gradient(gradients, None, summaries).values.tolist() == expected
+    assert summed == [5, 64 * 48]
 
 
 def test_finite_cpu_gradients_take_no_norm_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
     from torchinstruments_core._failures import FailureReport
     from torchinstruments_core._layers import Layer
+    from torchinstruments_core._measurement import Measurement
     from torchinstruments_core._observer_config import ObserverConfig
     from torchinstruments_core._plan import StepPlan
     from torchinstruments_core._rank_gate import RankGate
@@ -339,9 +340,15 @@ class SampleLifecycle:
         self._joining.add(id(record))
         return record
 
-    def measure_step(self, record: Sample, tensors: Iterable[StepTensor | StepScalars]) -> None:
-        """Reduce ``tensors`` into the open step record ``record``, on their devices."""
-        self._steps.measure(record, tensors, writes=id(record) not in self._joining)
+    def measure_step(
+        self, record: Sample, tensors: Iterable[StepTensor | StepScalars]
+    ) -> dict[int, Measurement]:
+        """Reduce ``tensors`` into the open step record ``record``, on their devices.
+
+        Returns:
+            Each tensor's measurement, by the tensor's id (``StepRecorder.measure``).
+        """
+        return self._steps.measure(record, tensors, writes=id(record) not in self._joining)
 
     def wait_for_reductions(self) -> None:
         """Block until the workers have reduced every tensor handed to them (``Measurer.wait``).

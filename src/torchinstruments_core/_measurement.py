@@ -24,6 +24,9 @@ from torchinstruments_core._torch_private import version
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    import numpy as np
+    from numpy.typing import NDArray
+
     from torchinstruments_core._background import ReductionWorker
     from torchinstruments_core._native_worker import NativeWorker
 
@@ -73,6 +76,10 @@ class Measurement:
     """The tensor the worker reduces instead of a copy, and its version at the hand-over."""
     changed: Callable[[], None] | None = None
     """Called by ``let_go`` when the shared tensor changed (its values are then dropped)."""
+    summary: NDArray[np.float64] | None = None
+    """Where the kernels' queue reduced a finite CPU tensor (``QueuedFill``): their float64
+    summary, total, squares, extremes and zeros first (``_native.Profiled.numbers``). The
+    whole-model gradient row reuses a gradient's squares and zeros."""
 
     def then(self, finish: Callable[[Measurement], None]) -> None:
         """Call ``finish(self)`` once complete: now, or in the ``settle`` that completes it.

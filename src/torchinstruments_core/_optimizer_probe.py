@@ -33,6 +33,7 @@ from torchinstruments_core._step_tensors import (
     before_step,
     gradient_tensors,
     loss_scale,
+    model_gradient,
     optimizer_state,
     updates,
 )
@@ -201,18 +202,21 @@ class OptimizerProbe:
         if record is None or self._parameters is None:
             return
         pending = self._pending[id(optimizer)] = _Pending(record, [])
+        parameters, signals = self._parameters, self._signals
         try:
             scale = loss_scale(optimizer)
-            gradients = gradient_tensors(optimizer, self._parameters, self._signals, scale)
+            gradients = gradient_tensors(optimizer, parameters, signals, scale)
+            measured = {}
             try:
-                self._lifecycle.measure_step(record, gradients)  # read in place, reduced meanwhile
+                measured = self._lifecycle.measure_step(record, gradients)  # reduced meanwhile
                 tensors, pending.copies = before_step(
-                    optimizer, self._parameters, self._signals, scale, self._buffers
+                    optimizer, parameters, signals, scale, self._buffers
                 )
             finally:  # before the optimizer may change them, whatever failed meanwhile
                 if gradients:
                     self._lifecycle.wait_for_reductions()
-            self._lifecycle.measure_step(record, tensors)
+            whole = model_gradient(optimizer, parameters, signals, scale, measured)
+            self._lifecycle.measure_step(record, [*tensors, *([] if whole is None else [whole])])
         except Exception as error:  # observing must never break the training step
             self._failures.failed("measuring before an optimizer step", error, "step", _CONSEQUENCE)
 

@@ -71,6 +71,7 @@ class QueuedFill(ProfileJob):
         measurer._fused_into(
             measurement, call.numel, results, histogram, edges, out.dtype == np.float64
         )
+        measurement.summary = queued.numbers
 
     def _finish_otherwise(self, fusion: FusedReductions, profiled: _native.Profiled) -> None:
         """The kernels did not finish: the moments on the host, or the reducers on the copy."""

@@ -21,6 +21,9 @@ from torchinstruments_core.reducers._host import summarize
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    import numpy as np
+    from numpy.typing import NDArray
+
     from torchinstruments_core.reducers._host import HostSummary
 
 GRADIENT_METRICS = ("l2_norm", "nonfinite_count", "zero_count")
@@ -49,7 +52,9 @@ def _gathered(values: Sequence[torch.Tensor], device: torch.device) -> torch.Ten
 
 
 def whole_gradient(
-    gradients: Sequence[torch.Tensor], scale: torch.Tensor | None = None
+    gradients: Sequence[torch.Tensor],
+    scale: torch.Tensor | None = None,
+    summaries: Sequence[NDArray[np.float64] | None] = (),
 ) -> StepScalars:
     """The whole-model ``parameter_gradient`` row: l2 norm, non-finite and zero entries.
 
@@ -60,10 +65,13 @@ def whole_gradient(
         gradients: Plain dense gradient tensors, at least one.
         scale: A loss scale the gradients still carry (the norm is divided by it; the counts
             do not change).
+        summaries: For each gradient, or none: the kernels' summary of it where its own
+            reduction has one (``Measurement.summary``, a finite CPU gradient), whose squares
+            and zeros are then taken instead of another pass; ``None`` for the others.
     """
     dtype = _common_dtype(gradients)
     device = gradients[0].device
-    norms, nonfinite, zeros = _norms_and_counts(gradients, dtype, device)
+    norms, nonfinite, zeros = _norms_and_counts(gradients, dtype, device, summaries)
     entries = sum(g.numel() for g in gradients)
     total = torch.linalg.vector_norm(norms)
     if scale is not None:
@@ -80,7 +88,10 @@ def whole_gradient(
 
 
 def _norms_and_counts(
-    gradients: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device
+    gradients: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    summaries: Sequence[NDArray[np.float64] | None] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each gradient's l2 norm (in ``dtype``), and their non-finite and zero entries, on ``device``.
 
@@ -89,14 +100,21 @@ def _norms_and_counts(
     ``isfinite`` and ``== 0`` and their sums took 500 us, more than an MNIST-sized MLP's
     whole training step); its norm is the square root of that pass's sum of squares, in
     float64, and it finishes only where every entry is finite. Any other gradient, and one
-    with a non-finite entry, is measured by torch on its device, read nowhere.
+    with a non-finite entry, is measured by torch on its device, read nowhere. A float32 or
+    float64 CPU gradient with a summary in ``summaries`` (the same pass, made by its own
+    reduction) takes that summary's squares and zeros instead of a pass of its own.
     """
     norms: list[torch.Tensor] = []
     host_norms: list[float] = []
     nonfinite: list[torch.Tensor] = []
     zeros: list[torch.Tensor] = []
     host_zeros = 0
-    for gradient in gradients:
+    for index, gradient in enumerate(gradients):
+        known = summaries[index] if summaries else None
+        if known is not None and gradient.is_cpu and gradient.dtype in _SUMMED:
+            host_norms.append(math.sqrt(float(known[1])))
+            host_zeros += int(known[4])
+            continue
         summary = _finite_summary(gradient)
         if summary is not None:
             host_norms.append(math.sqrt(summary.squares))
@@ -112,9 +130,12 @@ def _norms_and_counts(
     return torch.cat(parts), _total(nonfinite, 0, device), _total(zeros, host_zeros, device)
 
 
+_SUMMED = (torch.float32, torch.float64)
+
+
 def _finite_summary(gradient: torch.Tensor) -> HostSummary | None:
     """``_host.summarize`` of a CPU gradient the kernels read, if every entry is finite."""
-    if not gradient.is_cpu or gradient.dtype not in (torch.float32, torch.float64):
+    if not gradient.is_cpu or gradient.dtype not in _SUMMED:
         return None
     flat = gradient.reshape(-1)  # a view where it is contiguous: the kernels read it in place
     return summarize(flat) if _native.usable(flat) else None

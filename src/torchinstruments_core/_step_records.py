@@ -127,9 +127,15 @@ class StepRecorder:
         tensors: Iterable[StepTensor | StepScalars],
         *,
         writes: bool = True,
-    ) -> None:
-        """Reduce each tensor into ``record`` (its values stay on the device until delivery)."""
+    ) -> dict[int, Measurement]:
+        """Reduce each tensor into ``record`` (its values stay on the device until delivery).
+
+        Returns:
+            The measurement of each ``StepTensor`` reduced here, by the id of its tensor (a
+            sharded one's partial is left out: it is complete only once combined).
+        """
         started = time.perf_counter()
+        measured: dict[int, Measurement] = {}
         for item in tensors:
             site = Site(item.layer, 0, item.signal, item.name)
             if isinstance(item, StepTensor) and is_sharded(item.tensor):
@@ -152,7 +158,9 @@ class StepRecorder:
                 if item.extra_metrics:
                     measurement.then(functools.partial(_add_extra, item.extra_metrics))
                 record.add(site, measurement)
+                measured[id(item.tensor)] = measurement
         record.duration_s += time.perf_counter() - started
+        return measured
 
     def combine(self, record: Sample) -> None:
         """Join the other ranks' partials of ``record``'s sharded tensors (collectives here)."""

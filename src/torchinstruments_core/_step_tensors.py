@@ -38,12 +38,15 @@ from torchinstruments_core._step_math import (
 from torchinstruments_core._step_records import StepScalars, StepTensor
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Iterator, Mapping, Sequence
 
+    import numpy as np
+    from numpy.typing import NDArray
     from torch import nn
 
     from torchinstruments_core._copy_buffers import CopyBuffers
     from torchinstruments_core._layers import Layer
+    from torchinstruments_core._measurement import Measurement
 
 UPDATE_TO_WEIGHT = "update_to_weight"
 """The metric on each ``update`` row: rms(update) / rms(parameter before the step)."""
@@ -156,34 +159,57 @@ def before_step(
     signals: frozenset[Signal],
     scale: torch.Tensor | None,
     buffers: CopyBuffers,
-) -> tuple[list[StepTensor | StepScalars], list[PreStepCopy]]:
-    """The parameters and the whole-model gradient row, and the copies the updates need.
+) -> tuple[list[StepTensor], list[PreStepCopy]]:
+    """The parameters, and the copies the updates need.
 
-    Each observed parameter's gradient is measured apart, first (``gradient_tensors``). The
-    copies go into ``buffers``' memory where it has some free (``CopyBuffers``).
+    Each observed parameter's gradient is measured apart, first (``gradient_tensors``), and the
+    whole-model gradient row once those reductions have run (``model_gradient``). The copies
+    go into ``buffers``' memory where it has some free (``CopyBuffers``).
     """
-    tensors: list[StepTensor | StepScalars] = []
+    tensors: list[StepTensor] = []
     copies: list[PreStepCopy] = []
-    gradients: list[torch.Tensor] = []
     for parameter in stepped(optimizer):
-        gradient = parameter.grad
-        if gradient is not None and parameters.in_model(parameter):
-            plain = plain_tensor(gradient)
-            if isinstance(plain, torch.Tensor):
-                gradients.append(plain)
         owner = parameters.owner(parameter)
         if owner is None:
             continue
         copy = None
-        if gradient is not None and Signal.UPDATE in signals:
+        if parameter.grad is not None and Signal.UPDATE in signals:
             copy = _copy(parameter, owner, buffers)
             if copy is not None:
                 copies.append(copy)
         if Signal.PARAMETER in signals:
             tensors.append(_parameter_tensor(parameter, owner, copy))
-    if gradients and Signal.PARAMETER_GRADIENT in signals:
-        tensors.append(whole_gradient(gradients, scale))
     return tensors, copies
+
+
+def model_gradient(
+    optimizer: torch.optim.Optimizer,
+    parameters: ParameterMap,
+    signals: frozenset[Signal],
+    scale: torch.Tensor | None,
+    measured: Mapping[int, Measurement],
+) -> StepScalars | None:
+    """The whole-model gradient row, over every gradient of the model's parameters.
+
+    Made once the observed gradients' reductions have run: one that the kernels' queue reduced
+    (``measured``, by the id of the ``.grad`` tensor, without a loss scale) gives its sum of
+    squares and zeros from that reduction (``Measurement.summary``) rather than another pass
+    over it. ``None`` without ``parameter_gradient`` or without a gradient.
+    """
+    if Signal.PARAMETER_GRADIENT not in signals:
+        return None
+    gradients: list[torch.Tensor] = []
+    summaries: list[NDArray[np.float64] | None] = []
+    for parameter in stepped(optimizer):
+        gradient = parameter.grad
+        if gradient is None or not parameters.in_model(parameter):
+            continue
+        plain = plain_tensor(gradient)
+        if isinstance(plain, torch.Tensor):
+            gradients.append(plain)
+            measurement = measured.get(id(gradient)) if scale is None else None
+            summaries.append(None if measurement is None else measurement.summary)
+    return whole_gradient(gradients, scale, summaries) if gradients else None
 
 
 def _parameter_tensor(
