@@ -14,7 +14,10 @@ from torchinstruments_core.testing import RecordingSink
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    import pytest
+
     from torchinstruments_core import SampleRecord
+    from torchinstruments_core.reducers._host import HostSummary
 
 Key = tuple[str, str, str, str]  # layer, signal, tensor_path, metric
 MODEL = "<model>"
@@ -167,3 +170,22 @@ def one_adam_step(**arguments: Any) -> SampleRecord:
         train(model, [optimizer], steps=1)
     (record,) = step_records(sink)
     return record
+
+
+def count_summed_gradients(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the gradients the whole-model row sums itself, one a call, from now on.
+
+    Counts ``_step_math._finite_summary``: a gradient whose own reduction left the kernels'
+    summary (``Measurement.summary``) is not summed again.
+    """
+    from torchinstruments_core import _step_math
+
+    summed: list[int] = []
+    finite_summary = _step_math._finite_summary
+
+    def counted(gradient: torch.Tensor) -> HostSummary | None:
+        summed.append(gradient.numel())
+        return finite_summary(gradient)
+
+    monkeypatch.setattr(_step_math, "_finite_summary", counted)
+    return summed

@@ -8,7 +8,7 @@ recorded value is checked against statistics of those copies.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +19,7 @@ from optimizer_helpers import (
     Reference,
     adam_ratio,
     assert_matches,
+    count_summed_gradients,
     float64_mlp,
     one_adam_step,
     parameter_names,
@@ -37,9 +38,6 @@ from torchinstruments_core import (
 )
 from torchinstruments_core.reducers import _native
 from torchinstruments_core.testing import RecordingSink
-
-if TYPE_CHECKING:
-    from torchinstruments_core.reducers._host import HostSummary
 
 
 def _check_parameters(record: SampleRecord, reference: Any) -> None:
@@ -407,16 +405,9 @@ def test_the_whole_model_row_takes_each_observed_gradient_s_own_reduction(
     gradient of an unobserved module is summed for the row alone. The row still holds
     ``clip_grad_norm_``'s norm and torch's zero count of every gradient the optimizer used.
     """
-    from torchinstruments_core import _step_math, by_name
+    from torchinstruments_core import by_name
 
-    summed: list[int] = []
-    finite_summary = _step_math._finite_summary
-
-    def counted(gradient: torch.Tensor) -> HostSummary | None:
-        summed.append(gradient.numel())
-        return finite_summary(gradient)
-
-    monkeypatch.setattr(_step_math, "_finite_summary", counted)
+    summed = count_summed_gradients(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)

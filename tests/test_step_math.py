@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from optimizer_helpers import count_summed_gradients
 from torchinstruments_core._step_math import whole_gradient
 
 if TYPE_CHECKING:
@@ -20,8 +21,6 @@ if TYPE_CHECKING:
 
     import numpy as np
     from numpy.typing import NDArray
-
-    from torchinstruments_core.reducers._host import HostSummary
 
 
 def _finite_with_zeros(dtype: torch.dtype) -> torch.Tensor:
@@ -118,7 +117,6 @@ def test_a_gradient_s_own_summary_gives_the_same_row_without_a_pass(
     The row equals the one made without them, bit for bit; a gradient whose summary is
     ``None`` (or whose dtype the kernels' pass does not sum) is summed as before.
     """
-    from torchinstruments_core import _step_math
     from torchinstruments_core.reducers import _native
 
     if not _native.usable(torch.zeros(4)):
@@ -129,14 +127,7 @@ def test_a_gradient_s_own_summary_gives_the_same_row_without_a_pass(
         _native.profile(g.reshape(-1), None, shape).numbers for g in gradients[:3]
     ]
     expected = whole_gradient(gradients).values.tolist()
-    summed: list[int] = []
-    finite_summary = _step_math._finite_summary
-
-    def counted(gradient: torch.Tensor) -> HostSummary | None:
-        summed.append(gradient.numel())
-        return finite_summary(gradient)
-
-    monkeypatch.setattr(_step_math, "_finite_summary", counted)
+    summed = count_summed_gradients(monkeypatch)
     summaries += [None, summaries[0]]  # the bfloat16 one is summed whatever it is handed
     assert whole_gradient(gradients, None, summaries).values.tolist() == expected
     assert summed == [5, 64 * 48]
