@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from torchinstruments_core._failures import FailureReport
     from torchinstruments_core._layers import Layer
     from torchinstruments_core._lifecycle import SampleLifecycle
+    from torchinstruments_core._measurement import Measurement
     from torchinstruments_core._sample import Sample
     from torchinstruments_core._step_window import StepWindow
 
@@ -94,6 +95,8 @@ class _Pending:
 
     record: Sample
     copies: list[PreStepCopy]
+    measured: dict[int, Measurement] = field(default_factory=dict)
+    """The measurements made before the step, by the id of the tensor measured."""
 
 
 class OptimizerProbe:
@@ -216,7 +219,9 @@ class OptimizerProbe:
                 if gradients:
                     self._lifecycle.wait_for_reductions()
             whole = model_gradient(optimizer, parameters, signals, scale, measured)
-            self._lifecycle.measure_step(record, [*tensors, *([] if whole is None else [whole])])
+            pending.measured = self._lifecycle.measure_step(
+                record, [*tensors, *([] if whole is None else [whole])]
+            )
         except Exception as error:  # observing must never break the training step
             self._failures.failed("measuring before an optimizer step", error, "step", _CONSEQUENCE)
 
@@ -230,7 +235,8 @@ class OptimizerProbe:
         try:
             if pending.copies:  # parameters measured from their copies: formed into updates next
                 self._lifecycle.wait_for_reductions()
-            self._lifecycle.measure_step(pending.record, updates(pending.copies))
+            updated = updates(pending.copies, pending.measured)
+            self._lifecycle.measure_step(pending.record, updated)
             if Signal.OPTIMIZER_STATE in self._signals:
                 states = optimizer_state(optimizer, self._parameters)
                 self._lifecycle.measure_step(pending.record, states)

@@ -45,6 +45,24 @@ def norm(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     return result
 
 
+def summed_norm(tensor: torch.Tensor, summary: NDArray[np.float64] | None) -> torch.Tensor:
+    """The l2 norm of ``tensor``, in its working dtype, on its device.
+
+    A finite float32 or float64 CPU tensor's is the square root of the kernels' float64 sum of
+    squares: from ``summary`` (its own reduction's, ``Measurement.summary``) without a pass, or
+    from one pass of theirs (``_host.summarize``), so that both ways give the same value. Any
+    other tensor's is torch's (``norm``).
+    """
+    if summary is not None and tensor.is_cpu and tensor.dtype in _SUMMED:
+        squares = float(summary[1])
+    else:
+        found = _finite_summary(tensor)
+        if found is None:
+            return norm(tensor)
+        squares = found.squares
+    return torch.tensor(math.sqrt(squares), dtype=working_dtype(tensor.dtype))
+
+
 def _gathered(values: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """``values`` (scalars on any devices) stacked on ``device``, without waiting for a copy."""
     moved = [v.to(device, non_blocking=device.type != "cpu") for v in values]

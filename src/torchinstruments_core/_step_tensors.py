@@ -31,6 +31,7 @@ from torchinstruments_core._step_math import (
     ADAM_RATIO_METRIC,
     adam_ratio,
     norm,
+    summed_norm,
     update_to_weight,
     whole_gradient,
     whole_update,
@@ -63,12 +64,11 @@ class Owner:
 
 @dataclass(slots=True)
 class PreStepCopy:
-    """An observed parameter's values before the update, and the norm of them."""
+    """An observed parameter's values before the update."""
 
     parameter: torch.Tensor
     owner: Owner
     values: torch.Tensor
-    weight_norm: torch.Tensor
 
 
 class ParameterMap:
@@ -241,17 +241,20 @@ def _copy(parameter: torch.Tensor, owner: Owner, buffers: CopyBuffers) -> PreSte
     values = plain_tensor(parameter)  # a DTensor's local shard: the update is the shard's
     if not isinstance(values, torch.Tensor):
         return None
-    return PreStepCopy(parameter, owner, buffers.copy(values), norm(values))
+    return PreStepCopy(parameter, owner, buffers.copy(values))
 
 
-def updates(copies: list[PreStepCopy]) -> Iterator[StepTensor | StepScalars]:
+def updates(
+    copies: list[PreStepCopy], measured: Mapping[int, Measurement]
+) -> Iterator[StepTensor | StepScalars]:
     """Each copied parameter's update, then the whole update's norm; frees each copy.
 
     The update is computed into the copy's own memory (after minus before), measured where it
     is (``StepTensor.in_place``), and the copy is let go before the next one: nothing beyond
     the copies is held, each by its reduction until its values are read back (on the kernels'
     queue, when the record is delivered). The caller waits for the reductions of the
-    parameters measured from these copies first.
+    parameters measured from these copies first (``measured``, by the id of the tensor
+    measured): their norms before the step come from them (``_weight_norm``).
     """
     norms: list[torch.Tensor] = []
     while copies:
@@ -259,12 +262,13 @@ def updates(copies: list[PreStepCopy]) -> Iterator[StepTensor | StepScalars]:
         after = plain_tensor(copy.parameter)
         if not isinstance(after, torch.Tensor):
             continue
+        weight_norm = _weight_norm(copy, measured)
         # after - before into the copy's memory, one pass: an output that is exactly one of
         # the inputs is allowed
         update = torch.sub(after, copy.values, out=copy.values)
         size = norm(update)
         norms.append(size)
-        ratio = update_to_weight(size, copy.weight_norm)
+        ratio = update_to_weight(size, weight_norm)
         yield _tensor(
             copy.owner,
             Signal.UPDATE,
@@ -276,6 +280,17 @@ def updates(copies: list[PreStepCopy]) -> Iterator[StepTensor | StepScalars]:
         del copy, update
     if norms:
         yield whole_update(norms)
+
+
+def _weight_norm(copy: PreStepCopy, measured: Mapping[int, Measurement]) -> torch.Tensor:
+    """The norm of ``copy``'s values, the parameter before the step (``summed_norm``).
+
+    Where the parameter was reduced from this copy on the kernels' queue, their sum of squares
+    comes from that reduction (``Measurement.summary``, complete once the caller has waited),
+    which saves a pass; the copy still holds those values for any other way.
+    """
+    measurement = measured.get(id(copy.values))
+    return summed_norm(copy.values, None if measurement is None else measurement.summary)
 
 
 def optimizer_state(
