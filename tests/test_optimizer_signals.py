@@ -399,11 +399,13 @@ def test_cuda_step_rows_match_float64_copies() -> None:
 def test_the_whole_model_row_takes_each_observed_gradient_s_own_reduction(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """An observed gradient that the kernels' queue reduced makes no second pass for the row.
+    """An observed gradient or weight that the kernels' queue reduced makes no second pass.
 
-    Its sum of squares and zeros come from its own reduction (``Measurement.summary``); the
-    gradient of an unobserved module is summed for the row alone. The row still holds
-    ``clip_grad_norm_``'s norm and torch's zero count of every gradient the optimizer used.
+    A gradient's sum of squares and zeros for the whole-model row, and a weight's norm before
+    the step for ``update_to_weight``, come from its own reduction (``Measurement.summary``);
+    the gradient of an unobserved module is summed for the row alone. The row still holds
+    ``clip_grad_norm_``'s norm and torch's zero count of every gradient the optimizer used,
+    and ``update_to_weight`` the ratio of the test's copies.
     """
     from torchinstruments_core import by_name
 
@@ -432,3 +434,8 @@ def test_the_whole_model_row_takes_each_observed_gradient_s_own_reduction(
         zeros = int((every == 0).sum())
         assert rows[(MODEL, "parameter_gradient", "*", "zero_count")] == zeros
         assert rows[(MODEL, "parameter_gradient", "*", "nonfinite_count")] == 0
+        for name in ("weight", "bias"):
+            before = copies.before[f"0.{name}"]
+            update = copies.after[f"0.{name}"] - before
+            ratio = update.square().mean().sqrt() / before.square().mean().sqrt()
+            assert rows[("0", "update", name, "update_to_weight")] == pytest.approx(ratio.item())

@@ -133,6 +133,30 @@ def test_a_gradient_s_own_summary_gives_the_same_row_without_a_pass(
     assert summed == [5, 64 * 48]
 
 
+def test_summed_norm_is_the_same_from_a_summary_and_from_a_pass() -> None:
+    """``summed_norm``: a summary's squares and the kernels' own pass give one norm.
+
+    Both are the float64 sum of squares, rooted and rounded to the working dtype; a bfloat16
+    tensor, or one with a NaN, takes torch's norm (NaN stays NaN).
+    """
+    from torchinstruments_core._step_math import summed_norm
+    from torchinstruments_core.reducers import _native
+
+    if not _native.usable(torch.zeros(4)):
+        pytest.skip("without the compiled kernels no reduction has a summary")
+    for dtype in (torch.float32, torch.float64):
+        tensor = _finite_with_zeros(dtype)
+        numbers = _native.profile(tensor.reshape(-1), None, _native.profile_shape(0, None, 0))
+        from_summary = summed_norm(tensor, numbers.numbers)
+        assert from_summary.dtype == dtype
+        assert from_summary.item() == summed_norm(tensor, None).item()
+        exact = math.sqrt(math.fsum(float(x) ** 2 for x in tensor.reshape(-1).tolist()))
+        assert from_summary.item() == pytest.approx(exact, rel=1e-7)
+    half = _finite_with_zeros(torch.bfloat16)
+    assert summed_norm(half, None).item() == torch.linalg.vector_norm(half.float()).item()
+    assert math.isnan(summed_norm(_with(math.nan, 1)(), None).item())
+
+
 def test_finite_cpu_gradients_take_no_norm_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """A finite CPU gradient's norm is the square root of the kernels' sum of squares.
 
