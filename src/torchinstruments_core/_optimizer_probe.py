@@ -3,9 +3,10 @@
 Each watched optimizer gets a step pre-hook and a step post-hook (public torch API). On a step the
 ``StepWindow`` does not claim, the pre-hook reads one attribute and the post-hook one dict; on a
 recorded step the pre-hook measures the gradients where they are (``_step_tensors
-.gradient_tensors``) and what ``_step_tensors.before_step`` lists, waiting for the gradients'
-reductions before it returns, and the post-hook what comes after the update, into one step
-record delivered when the post-hook ends.
+.gradient_tensors``) and what ``_step_tensors.before_step`` lists, waits for the gradients'
+reductions, then makes the whole-model gradient row from them (``model_gradient``); the
+post-hook measures what comes after the update; one step record, delivered when the post-hook
+ends.
 
 An optimizer stepped with a closure (Lightning without a GradScaler, LBFGS) computes its
 gradients inside ``step``, after the pre-hook: the pre-hook then wraps the closure, and the

@@ -12,10 +12,11 @@ reduction reading it holds it until it has run); on the CPU their memory is kept
 recorded step (``CopyBuffers``), where it is written again only once nobody holds it. A
 parameter with such a copy is measured from it; the update is formed in it, and it, the
 optimizer's state and the update are reduced where they are (``StepTensor.in_place``):
-nothing changes them before the record is delivered. The
-gradients are read where they are too, measured first (``gradient_tensors``): the pre-hook
-waits for their reductions before it returns, while it makes the copies and the whole-model
-row, so that the optimizer may change them afterwards.
+nothing changes them before the record is delivered. The gradients are read where they are
+too, measured first (``gradient_tensors``): the pre-hook makes the copies while they are
+reduced and waits for their reductions before it returns, so that the optimizer may change
+them afterwards; the whole-model gradient row comes after that wait, from their reductions'
+sums where the kernels made them (``model_gradient``).
 """
 
 from __future__ import annotations
