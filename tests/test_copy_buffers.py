@@ -82,6 +82,28 @@ def test_the_limit_bounds_what_is_kept() -> None:
     assert CopyBuffers().limit == COPY_BUFFER_BYTES == 64 * 2**20
 
 
+def test_nothing_is_let_go_for_a_copy_that_would_not_fit() -> None:
+    """Free buffers are let go only where they make the room: none while too much is lent.
+
+    The least recently used are looked at first, up to the first one lent out.
+    """
+    entry = 32 * 32 * 4
+    buffers = CopyBuffers(limit=3 * entry)
+    a, b, c = (torch.randn(32, 32) for _ in range(3))
+    lent, let_go, held = buffers.copy(a), buffers.copy(b), buffers.copy(c)
+    free = let_go.data_ptr()
+    del let_go
+    assert buffers.kept == 3 * entry
+    wide = torch.randn(64, 32)  # two entries of room: only one buffer is free
+    assert torch.equal(buffers.copy(wide), wide)
+    assert buffers.kept == 3 * entry
+    assert buffers.copy(b).data_ptr() == free  # still kept
+    del lent, held
+    again = buffers.copy(wide)  # now two free buffers make the room
+    assert torch.equal(again, wide)
+    assert buffers.kept == 3 * entry  # one of 32 x 32 and the wide one
+
+
 def test_what_the_pool_does_not_keep_is_an_ordinary_clone() -> None:
     """A strided tensor, a tensor larger than the limit: cloned, strides kept, nothing kept."""
     buffers = CopyBuffers(limit=1024)
@@ -104,3 +126,17 @@ def test_clear_keeps_nothing_and_leaves_lent_copies_intact() -> None:
     other = buffers.copy(torch.zeros(10, 10))
     assert other.data_ptr() != copy.data_ptr()
     assert torch.equal(copy, source)
+
+
+def test_without_a_count_every_copy_is_fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch cannot count a storage's holders, nothing is kept: each copy is a clone."""
+    from torchinstruments_core import _copy_buffers
+
+    monkeypatch.setattr(_copy_buffers, "_COUNTS", False)
+    buffers = CopyBuffers()
+    source = torch.randn(8, 8)
+    first = buffers.copy(source)
+    second = buffers.copy(source)
+    assert torch.equal(first, source)
+    assert first.data_ptr() != second.data_ptr()
+    assert buffers.kept == 0

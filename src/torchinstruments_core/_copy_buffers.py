@@ -6,18 +6,23 @@ it when freed, so every 4 KiB page of a copy faults when first written (about 1.
 a 2-vCPU EPYC guest: a 12 MB copy 5.4 ms, into memory written before 0.5 ms). On a small model
 that is a tenth of its step. ``CopyBuffers`` keeps the copies' memory from one recorded step
 to the next instead, up to ``limit`` bytes (``COPY_BUFFER_BYTES``, 64 MiB, by default): what
-the observer holds between samples grows by at most that much; the peak during a recorded
-step does not change (every copy exists then anyway).
+the observer holds between samples grows by at most that much. The peak during a recorded
+step does not change where it copies the parameters the one before copied (every copy exists
+then anyway); one that copies fewer (a frozen layer, an expert without a gradient) holds the
+buffers it does not use beside its copies, at most ``limit`` in all.
 
 A kept buffer is handed out again only when nothing but the pool holds its memory: its
 storage's use count (``_torch_private.storage_holders``) is back to what it was when the buffer
 was made. The reductions that read an update where it is, the step record's tensors and any
 view of them all count, so a buffer still read somewhere is never written. Where torch cannot
 count (builds before 2.8 without CUDA), every copy is fresh, as without the pool. Other
-devices' allocators cache their blocks already: only CPU copies are kept.
+devices' allocators cache their blocks already: only CPU copies are kept. A lock makes the
+pool safe for optimizers stepped on several threads at once.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -46,10 +51,11 @@ class CopyBuffers:
         limit: The most bytes kept; 0 keeps nothing.
     """
 
-    __slots__ = ("_buffers", "_kept", "limit")
+    __slots__ = ("_buffers", "_kept", "_lock", "limit")
 
     def __init__(self, limit: int = COPY_BUFFER_BYTES) -> None:
         self.limit = limit
+        self._lock = threading.Lock()
         # per (dtype, shape): [buffer, its storage's use count when only the pool holds it]
         self._buffers: dict[tuple[torch.dtype, torch.Size], list[tuple[torch.Tensor, int]]] = {}
         self._kept = 0
@@ -64,25 +70,29 @@ class CopyBuffers:
         if not _COUNTS or values.device.type != "cpu" or not values.is_contiguous():
             return values.clone()
         key = (values.dtype, values.shape)
-        buffer = self._free(key)
-        if buffer is None:
-            buffer = self._make(key, values.numel() * values.element_size())
+        with self._lock:
+            buffer = self._free(key)
             if buffer is None:
-                return values.clone()
-        # an alias of its own, not the pool's tensor: while it lives, the count says lent
-        return buffer.copy_(values).detach()
+                buffer = self._make(key, values.numel() * values.element_size())
+            # an alias of its own, not the pool's tensor, made before the lock is let go:
+            # while it lives, the count says lent
+            copy = None if buffer is None else buffer.detach()
+        if copy is None:
+            return values.clone()
+        return copy.copy_(values)
 
     def clear(self) -> None:
         """Keep nothing: a buffer lent out stays with its holders until they let it go."""
-        self._buffers.clear()
-        self._kept = 0
+        with self._lock:
+            self._buffers.clear()
+            self._kept = 0
 
     def _free(self, key: tuple[torch.dtype, torch.Size]) -> torch.Tensor | None:
         entries = self._buffers.pop(key, [])
         found = next((i for i, (b, alone) in enumerate(entries) if _holders(b) == alone), None)
         if found is not None:
-            # the most recently used last, of its kind and of the kinds: ``_make`` lets the
-            # others go first
+            # the most recently used last, of its kind and of the kinds: ``_stale`` looks at
+            # the others first
             entries.append(entries.pop(found))
         if entries:
             self._buffers[key] = entries
@@ -91,21 +101,39 @@ class CopyBuffers:
     def _make(self, key: tuple[torch.dtype, torch.Size], nbytes: int) -> torch.Tensor | None:
         if nbytes > self.limit:
             return None
-        while self._kept + nbytes > self.limit:
-            if not self._drop_a_free_one():
+        over = self._kept + nbytes - self.limit
+        if over > 0:
+            stale = self._stale(over)
+            if stale is None:  # nothing is let go for a copy that would not fit anyway
                 return None
+            for old_key, old in stale:
+                entries = self._buffers[old_key]
+                entries[:] = [entry for entry in entries if entry[0] is not old]
+                if not entries:
+                    del self._buffers[old_key]
+                self._kept -= old.numel() * old.element_size()
         buffer = torch.empty(key[1], dtype=key[0])
         self._buffers.setdefault(key, []).append((buffer, _holders(buffer)))
         self._kept += nbytes
         return buffer
 
-    def _drop_a_free_one(self) -> bool:
+    def _stale(
+        self, needed: int
+    ) -> list[tuple[tuple[torch.dtype, torch.Size], torch.Tensor]] | None:
+        """The least recently used free buffers that hold ``needed`` bytes, or ``None``.
+
+        Looked at from the least recently used on, up to the first one lent out: a model larger
+        than ``limit`` lends every kept buffer before it asks for more, and a copy then costs
+        one look, not one a kept buffer.
+        """
+        found: list[tuple[tuple[torch.dtype, torch.Size], torch.Tensor]] = []
+        freed = 0
         for key, entries in self._buffers.items():
-            for index, (buffer, alone) in enumerate(entries):
-                if _holders(buffer) == alone:
-                    del entries[index]
-                    if not entries:
-                        del self._buffers[key]
-                    self._kept -= buffer.numel() * buffer.element_size()
-                    return True
-        return False
+            for buffer, alone in entries:
+                if _holders(buffer) != alone:
+                    return None
+                found.append((key, buffer))
+                freed += buffer.numel() * buffer.element_size()
+                if freed >= needed:
+                    return found
+        return None

@@ -99,7 +99,9 @@ def storage_holders(tensor: torch.Tensor) -> int | None:
     """How many tensors (views, aliases) hold ``tensor``'s storage; ``None`` where unknown.
 
     Counted while this call holds one more reference of its own: compare against the count of
-    a known state of the same tensor, not against a constant.
+    a known state of the same tensor, not against a constant. A bare ``UntypedStorage``
+    object kept somewhere (``tensor.untyped_storage()`` held on to) does not count: nothing in
+    this package keeps one.
     """
     if _storage_use_count is None:
         return None

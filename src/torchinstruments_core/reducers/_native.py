@@ -43,7 +43,8 @@ STATUS_BIN_OVERFLOW = 2
 """The grid's rounding put an entry past the last bin (millions of bins; see ``_host_binning``)."""
 STATUS_MOMENTS_ON_HOST = 4
 """``profile``: the moments are left to ``functional.host_moment_values`` (the rest is written):
-squares that need scaling, or a mean so large against the spread that it needs a second pass."""
+squares that need scaling (a mean large against the spread takes its second pass in ``profile``
+since layout 4)."""
 
 _DTYPES = {torch.float32: 0, torch.float64: 1}
 _NO_RANKS = np.empty(0, dtype=np.int64)

@@ -135,7 +135,8 @@ def host_moment_values(
     if not (math.isfinite(m2) and m2 > 0.0 and mean * mean * count <= _CONDITIONING * m2):
         # shift by the mean rounded to the working dtype, then correct for the rounding
         shift = float(_NUMPY_FLOATS[dtype](mean))
-        m2 = max(shifted_squares(shift) - count * (mean - shift) ** 2, 0.0)
+        # a product, not ``**``: libm's pow may round otherwise, and the kernels multiply
+        m2 = max(shifted_squares(shift) - count * ((mean - shift) * (mean - shift)), 0.0)
     variance = m2 / count
     return [
         mean,
