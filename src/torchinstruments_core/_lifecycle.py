@@ -343,11 +343,7 @@ class SampleLifecycle:
     def measure_step(
         self, record: Sample, tensors: Iterable[StepTensor | StepScalars]
     ) -> dict[int, Measurement]:
-        """Reduce ``tensors`` into the open step record ``record``, on their devices.
-
-        Returns:
-            Each tensor's measurement, by the tensor's id (``StepRecorder.measure``).
-        """
+        """Reduce ``tensors`` into ``record``, on their devices; their measurements, by id."""
         return self._steps.measure(record, tensors, writes=id(record) not in self._joining)
 
     def wait_for_reductions(self) -> None:
