@@ -354,21 +354,23 @@ def _checked_steps(
     background_reductions: bool,
 ) -> list[SampleRecord]:
     """``steps`` recorded steps, each one's parameter and update rows checked; the records."""
+    recorded = _recorded(model, optimizer, steps, background_reductions=background_reductions)
+    for record, copies in recorded:
+        _check_parameters(record, copies)
+    return [record for record, _ in recorded]
+
+
+def _recorded(
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, **options: Any
+) -> list[tuple[SampleRecord, Any]]:
+    """``steps`` steps of ``train``, every one recorded: each record with the test's copies."""
     reference = Reference(optimizer, parameter_names(model))
     sink = RecordingSink()
-    with inject_observer(
-        model,
-        sampler=AlwaysSampler(),
-        sink=sink,
-        optimizer=optimizer,
-        background_reductions=background_reductions,
-    ):
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer, **options):
         train(model, [optimizer], steps=steps)
     records = step_records(sink)
     assert len(records) == len(reference.steps) == steps
-    for record, copies in zip(records, reference.steps, strict=True):
-        _check_parameters(record, copies)
-    return records
+    return list(zip(records, reference.steps, strict=True))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -413,19 +415,9 @@ def test_the_whole_model_row_takes_each_observed_gradient_s_own_reduction(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    reference = Reference(optimizer, parameter_names(model))
-    sink = RecordingSink()
-    with inject_observer(
-        model,
-        sampler=AlwaysSampler(),
-        sink=sink,
-        optimizer=optimizer,
-        selector=by_name("0"),
-        background_reductions=True,
-    ):
-        train(model, [optimizer], steps=2)
+    recorded = _recorded(model, optimizer, 2, selector=by_name("0"), background_reductions=True)
     assert sorted(summed) == [3, 3, 24, 24]  # the unobserved Linear(8, 3), each step
-    for record, copies in zip(step_records(sink), reference.steps, strict=True):
+    for record, copies in recorded:
         rows = values_of(record)
         gradients = list(copies.gradient.values())
         every = torch.cat([g.reshape(-1) for g in gradients])
