@@ -14,9 +14,11 @@ optimizer, so that a sampled step also records the optimizer step signals (as th
 defaults do).
 
 The baseline's ``torchinstruments_core`` is read out of git into a temporary folder under
-another name (``ti_baseline``, every import renamed), so that both import side by side; its
-compiled kernels are this checkout's, and the baseline must have the same ``_kernels.c`` (a
-change to the kernels is measured with ``paired.py`` in separate processes instead). Each
+another name (``ti_baseline``, every import renamed), so that both import side by side. Its
+compiled kernels are this checkout's where the two ``_kernels.c`` are the same; where they
+differ, the baseline's are compiled into its folder with ``setup.py``'s flags (a POSIX C
+compiler, the one Python was built with, ``sysconfig``'s ``CC``), so that a change to the
+kernels is measured in one process too (a module's name is its file's: both load). Each
 observer has its own reduction threads and writer process.
 
 Printed per workload: the plain step, each observer's sampled step and the step after it over
@@ -36,10 +38,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import shlex
 import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -75,16 +80,37 @@ def baseline_package(revision: str, folder: Path) -> Any:
         target.parent.mkdir(parents=True, exist_ok=True)
         if relative.suffix in (".py", ".pyi"):
             content = content.replace(_PACKAGE.encode(), _BASELINE.encode())
-        elif relative.name == "_kernels.c" and content != (ours / relative).read_bytes():
-            raise SystemExit(
-                f"{revision}'s _kernels.c differs from this checkout's: compare the two with "
-                "paired.py in separate processes"
-            )
         target.write_bytes(content)
-    for built in (ours / "reducers").glob("_kernels*.so"):
-        shutil.copy2(built, folder / _BASELINE / "reducers" / built.name)
+    reducers = folder / _BASELINE / "reducers"
+    source = reducers / "_kernels.c"
+    if source.exists() and source.read_bytes() != (ours / "reducers" / "_kernels.c").read_bytes():
+        _compile_kernels(source, revision)
+    else:
+        for built in (ours / "reducers").glob("_kernels*.so"):
+            shutil.copy2(built, reducers / built.name)
     sys.path.insert(0, str(folder))
     return importlib.import_module(_BASELINE)
+
+
+# setup.py's flags for a unix compiler: no fused multiply-adds (the bins must match torch's)
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+
+
+def _compile_kernels(source: Path, revision: str) -> None:
+    """Compile ``source``, a revision's ``_kernels.c``, beside it, as its package's kernels."""
+    compiler = sysconfig.get_config_var("CC")
+    if os.name != "posix" or not compiler:
+        raise SystemExit(
+            f"{revision}'s _kernels.c differs from this checkout's and no C compiler is known "
+            "here: compare the two with paired.py in separate processes"
+        )
+    target = source.with_name("_kernels.abi3.so")
+    include = sysconfig.get_paths()["include"]
+    command = [*shlex.split(compiler), *_FLAGS, f"-I{include}", str(source), "-o", str(target)]
+    print(f"compiling {revision}'s kernels (they differ from this checkout's)", file=sys.stderr)
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"compiling {revision}'s _kernels.c failed:\n{done.stderr}")
 
 
 def measure(
