@@ -12,7 +12,7 @@ from torchinstruments_core import AlwaysSampler, RecordKind, inject_observer
 from torchinstruments_core.testing import RecordingSink
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     import pytest
 
@@ -152,6 +152,18 @@ def train(model: nn.Module, optimizers: list[torch.optim.Optimizer], steps: int)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
+
+
+def closure_for(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], torch.Tensor]:
+    """A closure for ``optimizer.step``: gradients zeroed, a float64 batch's loss, backward."""
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(torch.randn(8, 4, dtype=torch.float64)).square().mean()
+        loss.backward()
+        return loss
+
+    return closure
 
 
 def step_records(sink: RecordingSink) -> list[SampleRecord]:

@@ -19,6 +19,7 @@ from optimizer_helpers import (
     Reference,
     adam_ratio,
     assert_matches,
+    closure_for,
     count_summed_gradients,
     float64_mlp,
     one_adam_step,
@@ -256,13 +257,7 @@ def test_a_closure_is_measured_after_it_ran() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference = Reference(optimizer, parameter_names(model))
     sink = RecordingSink()
-
-    def closure() -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = model(torch.randn(8, 4, dtype=torch.float64)).square().mean()
-        loss.backward()
-        return loss
-
+    closure = closure_for(model, optimizer)
     with inject_observer(model, sink=sink, optimizer=optimizer) as observer:
         for step in range(2):
             observer.begin_step(step, sample=True)

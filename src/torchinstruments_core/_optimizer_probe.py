@@ -6,7 +6,7 @@ recorded step the pre-hook measures the gradients where they are (``_step_tensor
 .gradient_tensors``) and what ``_step_tensors.before_step`` lists, waits for the gradients'
 reductions, then makes the whole-model gradient row from them (``model_gradient``); the
 post-hook measures what comes after the update; one step record, delivered when the post-hook
-ends.
+ends. Both do a recorded step's work with Python's garbage collector paused (``_collector``).
 
 An optimizer stepped with a closure (Lightning without a GradScaler, LBFGS) computes its
 gradients inside ``step``, after the pre-hook: the pre-hook then wraps the closure, and the
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchinstruments_core._collector import collector_paused
 from torchinstruments_core._copy_buffers import CopyBuffers
 from torchinstruments_core._exceptions import ConfigurationError
 from torchinstruments_core._records import STEP_SKIPPED
@@ -200,6 +201,7 @@ class OptimizerProbe:
             return args, {**kwargs, "closure": wrapped}
         return (args[0], wrapped, *args[2:]), kwargs
 
+    @collector_paused  # the record's objects are all freed by reference counts
     def _before(self, optimizer: torch.optim.Optimizer, step: int | None) -> None:
         self._finish(id(optimizer))  # a step that raised before its post-hook
         record = self._lifecycle.open_step(step, joins=self._lifecycle.joins_steps)
@@ -227,8 +229,11 @@ class OptimizerProbe:
             self._failures.failed("measuring before an optimizer step", error, "step", _CONSEQUENCE)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._pending:
-            return  # the unsampled step's whole cost
+        if self._pending:  # an unsampled step's whole cost is this test
+            self._after(optimizer)
+
+    @collector_paused
+    def _after(self, optimizer: torch.optim.Optimizer) -> None:
         pending = self._pending.pop(id(optimizer), None)
         if pending is None or self._parameters is None:
             return
