@@ -16,10 +16,12 @@ defaults do).
 The baseline's ``torchinstruments_core`` is read out of git into a temporary folder under
 another name (``ti_baseline``, every import renamed), so that both import side by side. Its
 compiled kernels are this checkout's where the two ``_kernels.c`` are the same; where they
-differ, the baseline's are compiled into its folder with ``setup.py``'s flags (a POSIX C
-compiler, the one Python was built with, ``sysconfig``'s ``CC``), so that a change to the
-kernels is measured in one process too (a module's name is its file's: both load). Each
-observer has its own reduction threads and writer process.
+differ, the baseline's are built from its own sources by its own ``setup.py`` (``build_ext``,
+with a C compiler), so that a change to the kernels is measured in one process too: each
+side's kernels are a file of its own, imported under its package's name
+(``ti_baseline.reducers._kernels``), with their own queue and state. Both sides use compiled
+kernels or neither does, or the script exits. Each observer has its own reduction threads and
+writer process.
 
 Printed per workload: the plain step, each observer's sampled step and the step after it over
 the plain step (median of the rounds, with the interquartile range), and this checkout's
@@ -38,13 +40,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
-import shlex
+import io
 import shutil
 import statistics
 import subprocess
 import sys
-import sysconfig
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -82,35 +83,70 @@ def baseline_package(revision: str, folder: Path) -> Any:
             content = content.replace(_PACKAGE.encode(), _BASELINE.encode())
         target.write_bytes(content)
     reducers = folder / _BASELINE / "reducers"
-    source = reducers / "_kernels.c"
-    if source.exists() and source.read_bytes() != (ours / "reducers" / "_kernels.c").read_bytes():
-        _compile_kernels(source, revision)
+    kernels = "reducers/_kernels.c"
+    theirs, mine = reducers / "_kernels.c", ours / kernels
+    if theirs.exists() and (not mine.exists() or theirs.read_bytes() != mine.read_bytes()):
+        _build_kernels(revision, reducers)
     else:
         for built in (ours / "reducers").glob("_kernels*.so"):
             shutil.copy2(built, reducers / built.name)
     sys.path.insert(0, str(folder))
-    return importlib.import_module(_BASELINE)
+    package = importlib.import_module(_BASELINE)
+    _check_kernels(package, revision)
+    return package
 
 
-# setup.py's flags for a unix compiler: no fused multiply-adds (the bins must match torch's)
-_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+def _build_kernels(revision: str, reducers: Path) -> None:
+    """Build ``revision``'s kernels as that revision builds them, into ``reducers``.
 
-
-def _compile_kernels(source: Path, revision: str) -> None:
-    """Compile ``source``, a revision's ``_kernels.c``, beside it, as its package's kernels."""
-    compiler = sysconfig.get_config_var("CC")
-    if os.name != "posix" or not compiler:
-        raise SystemExit(
-            f"{revision}'s _kernels.c differs from this checkout's and no C compiler is known "
-            "here: compare the two with paired.py in separate processes"
+    Its ``setup.py`` (with its compiler flags) runs ``build_ext --inplace`` on its
+    ``_kernels.c`` in a folder of its own, through this Python's setuptools, as the package's
+    installation does: the two sides' kernels differ in their sources only.
+    """
+    wanted = ["setup.py", "pyproject.toml", "README.md", f"src/{_PACKAGE}/reducers/_kernels.c"]
+    files = subprocess.run(  # those the revision has (README.md: its metadata reads it)
+        ["git", "ls-tree", "--name-only", revision, "--", *wanted],
+        cwd=_ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    print(f"building {revision}'s kernels (they differ from this checkout's)", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="versus-kernels-") as tree:
+        archive = subprocess.run(
+            ["git", "archive", revision, *files], cwd=_ROOT, check=True, capture_output=True
+        ).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as members:
+            members.extractall(tree)  # this repository's own files
+        done = subprocess.run(
+            [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+            cwd=tree,
+            capture_output=True,
+            text=True,
+            check=False,
         )
-    target = source.with_name("_kernels.abi3.so")
-    include = sysconfig.get_paths()["include"]
-    command = [*shlex.split(compiler), *_FLAGS, f"-I{include}", str(source), "-o", str(target)]
-    print(f"compiling {revision}'s kernels (they differ from this checkout's)", file=sys.stderr)
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"compiling {revision}'s _kernels.c failed:\n{done.stderr}")
+        built = list((Path(tree) / "src" / _PACKAGE / "reducers").glob("_kernels*.so"))
+        if done.returncode != 0 or not built:  # the extension is optional: no compiler, no file
+            raise SystemExit(
+                f"building {revision}'s kernels failed (compare the two with paired.py in "
+                f"separate processes instead):\n{done.stderr[-3000:]}"
+            )
+        for path in built:
+            shutil.copy2(path, reducers / path.name)
+
+
+def _check_kernels(baseline: Any, revision: str) -> None:
+    """Both sides reduce with their own compiled kernels, or neither does; else exit."""
+    mine = importlib.import_module(f"{_PACKAGE}.reducers._native").KERNELS
+    theirs = importlib.import_module(f"{_BASELINE}.reducers._native").KERNELS
+    if (mine is None) != (theirs is None):
+        side = "this checkout" if mine is None else revision
+        raise SystemExit(
+            f"{side} reduces without its compiled kernels and the other with them: the two "
+            "would not compare (build them: uv sync --reinstall-package torchinstruments-suite)"
+        )
+    if theirs is not None and not str(theirs.__file__).startswith(str(baseline.__path__[0])):
+        raise SystemExit(f"{revision}'s kernels were not loaded from its own folder")
 
 
 def measure(

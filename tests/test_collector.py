@@ -149,18 +149,19 @@ def test_no_collection_starts_inside_the_optimizer_hooks(
     """
     inside = [False]
     started = {"inside": 0, "outside": 0}
-    wrapped = {}
     for name in ("_before", "_after"):
         original = getattr(_optimizer_probe.OptimizerProbe, name)
 
         def flagged(self: Any, *args: Any, _original: Any = original) -> Any:
+            # a young collection here, outside: the few objects of the calls in between
+            # (this one's arguments, the decorator's) cannot start one before it pauses
+            gc.collect(0)
             inside[0] = True
             try:
                 return _original(self, *args)
             finally:
                 inside[0] = False
 
-        wrapped[name] = flagged
         monkeypatch.setattr(_optimizer_probe.OptimizerProbe, name, flagged)
 
     def count(phase: str, info: dict[str, Any]) -> None:
@@ -186,6 +187,39 @@ def test_no_collection_starts_inside_the_optimizer_hooks(
     assert len(step_records(sink)) == 5
     assert started["outside"] > 0
     assert started["inside"] == 0
+
+
+def test_an_unsampled_step_leaves_the_collector_alone(
+    collector_on: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a recorded step pauses the collector: an unsampled one's hooks never touch it."""
+    switched: list[str] = []
+    disable, enable = gc.disable, gc.enable
+
+    def counted_disable() -> None:
+        switched.append("off")
+        disable()
+
+    def counted_enable() -> None:
+        switched.append("on")
+        enable()
+
+    monkeypatch.setattr(gc, "disable", counted_disable)
+    monkeypatch.setattr(gc, "enable", counted_enable)
+    model = float64_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = RecordingSink()
+    closure = closure_for(model, optimizer)
+    with inject_observer(model, sink=sink, optimizer=optimizer) as observer:
+        for step in range(4):
+            observer.begin_step(step, sample=step == 2)
+            closure()
+            optimizer.step()
+            observer.end_step()
+            if step < 2:
+                assert switched == []
+    assert [record.step for record in step_records(sink)] == [2]
+    assert switched == ["off", "on", "off", "on"]  # the pre-hook's, then the post-hook's
 
 
 def test_a_recorded_step_leaves_no_cyclic_garbage(collector_on: None) -> None:

@@ -12,11 +12,17 @@ stalled for two steps' time, about every 100 sampled steps, where the same loop 
 observer ran no collection at all.
 
 ``collector_paused`` turns the collector off for the duration of a call (the optimizer's step
-hooks' recorded-step work, ``OptimizerProbe``), where only the observer's code and its sink run,
-and back on after, if it was on: the record's objects are freed by then, so no collection
-follows. The same 200 steps: 367 young collections (the forward samples' objects, which live
-from their hooks to the step's end), 33 middle ones and none of the whole process. A collector
-the program turned off stays off; nothing of the program's own runs while it is paused.
+hooks' recorded-step work, ``OptimizerProbe``: the observer's own code, its sink's write and,
+for sharded parameters, the collectives that combine them) and back on after, if it was on.
+The switch is the process's: another thread runs without the collector meanwhile too. A pause
+only puts collections off: the collector's count goes on rising with what any thread makes,
+and falls with what is freed, so what the record made and dropped meanwhile leaves it where
+it was, and anything else's is collected at the first allocation after the pause. The
+post-hook ends with the record delivered and its objects freed, so no collection follows it;
+what the pre-hook made lives through the optimizer's own step, where a collection may still
+find it. The same 200 steps: 367 young collections (most of them the forward samples'
+objects, which live from their hooks to the step's end), 33 middle ones and none of the whole
+process. A collector the program turned off stays off.
 """
 
 from __future__ import annotations
@@ -43,9 +49,9 @@ def collector_paused(function: Callable[_P, _R]) -> Callable[_P, _R]:
     @functools.wraps(function)
     def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         enabled = gc.isenabled()
-        if enabled:
-            gc.disable()
-        try:
+        try:  # turned off inside: an interrupt right after it still turns it back on
+            if enabled:
+                gc.disable()
             return function(*args, **kwargs)
         finally:
             if enabled:
