@@ -1,17 +1,19 @@
 """Python's garbage collector, paused while a recorded optimizer step's record is built.
 
-``_collector.collector_paused`` and the optimizer hooks that use it. Checked: the collector is
-off during the call and as it was after (on, off, after an exception, nested); a recorded step's
-record reaches the sink with the collector paused, with and without a closure, and the program
-finds it on after the step; a program that turned it off finds it off; with collections made
-frequent, none starts inside the observer's optimizer hooks while forward and backward still
-see them; the record's objects leave no cyclic garbage behind, which is what makes the pause
-safe (nothing the collector alone could free piles up).
+``_collector.collector_paused`` and the optimizer hooks that use it. Checked: the collector is off
+during the call and as it was after (on, off, after an exception, nested); a recorded step's record
+reaches the sink with the collector paused, with and without a closure (Lightning's ``Trainer.fit``
+too), and the program finds it on after the step; an unsampled step's hooks never touch it; a
+program that turned it off finds it off; with collections made frequent, none starts inside the
+observer's optimizer hooks while forward and backward still see them; the record's objects leave no
+cyclic garbage behind, which is what makes the pause safe (nothing the collector alone could free
+piles up).
 """
 
 from __future__ import annotations
 
 import gc
+import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,6 +120,41 @@ def test_a_step_record_is_delivered_with_the_collector_paused(
     assert during == [False, False, False]
     assert [enabled for kind, enabled in sink.collector if kind is RecordKind.STEP] == [False] * 3
     assert stepped == [True, True, True]
+    assert gc.isenabled()
+
+
+def test_lightning_s_closure_step_is_recorded_with_the_collector_paused(
+    collector_on: None, monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """Under ``Trainer.fit`` (automatic optimization, a closure): paused in the hooks only.
+
+    ``TelemetryMonitor`` records every step's optimizer signals; the "before" measurements run
+    when Lightning's closure returns, with the collector off, and a callback after each batch
+    finds it on again.
+    """
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_helpers import Regressor, loader, trainer
+    from torchinstruments_lightning import TelemetryMonitor
+
+    before_step = _step_tensors.before_step
+    during: list[bool] = []
+    after_batches: list[bool] = []
+
+    def noted(*args: Any) -> Any:
+        during.append(gc.isenabled())
+        return before_step(*args)
+
+    class AfterBatch(Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            after_batches.append(gc.isenabled())
+
+    monkeypatch.setattr(_optimizer_probe, "before_step", noted)
+    monitor = TelemetryMonitor(every_n_steps=1, output_dir=tmp_path / "run", log_to_loggers=False)
+    fit = trainer(tmp_path, callbacks=[monitor, AfterBatch()], logger=False, max_steps=4)
+    fit.fit(Regressor(), loader())
+    assert during == [False] * 4
+    assert after_batches == [True] * 4
     assert gc.isenabled()
 
 
