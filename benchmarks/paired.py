@@ -3,6 +3,7 @@
     uv run python benchmarks/paired.py [--workload all|extra|mlp|cnn|...]
         [--rounds 40] [--warmup 3] [--warmup-seconds 3] [--compile] [--exact-quartiles]
         [--sink run-directory|recording] [--device cpu|cuda] [--no-memory] [--optimizer]
+        [--step-signals parameter,update]
         [--record-inputs] [--profile] [--background auto|on|off]
 
 ``overhead.py`` gives every configuration a fresh process, which is right for memory and for
@@ -36,6 +37,7 @@ always reduce in the hooks: the torch profiler does not see the worker thread's 
 
 With ``--optimizer`` the workload's optimizer is passed to ``inject_observer`` too, so a sampled
 step also records the optimizer step signals (parameters, gradients, updates, optimizer state);
+``--step-signals`` (comma-separated, implies ``--optimizer``) records only those;
 ``--record-inputs`` and ``--profile`` turn on those ``inject_observer`` options.
 
 The unsampled step's cost is below what whole steps can resolve here, so it is also timed
@@ -204,10 +206,12 @@ def _observe(args: argparse.Namespace, observed: Workload, folder: str) -> objec
         if args.sink == "recording"
         else {"output_dir": Path(folder) / "run"}
     )
+    signals = {} if args.step_signals is None else {"step_signals": args.step_signals}
     return inject_observer(
         observed.model,
         reducers=reducers,
         optimizer=observed.optimizer if args.optimizer else None,
+        **signals,
         record_inputs=args.record_inputs,
         profile=args.profile,
         background_reductions=_BACKGROUND[args.background],
@@ -268,6 +272,8 @@ def _print_table(
     compiled = ", both models compiled (inductor)" if args.compile else ""
     gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     extra = "".join(f", {o}" for o in ("optimizer", "record_inputs", "profile") if getattr(args, o))
+    if args.step_signals is not None:
+        extra += f" ({', '.join(args.step_signals)})"
     extra += f", background reductions {args.background}"
     print(f"\nobserved with the {quartiles}, {args.sink}{compiled}{extra}")
     print(f"{args.threads} thread(s), {args.rounds} rounds per workload")
@@ -342,6 +348,12 @@ def parser() -> argparse.ArgumentParser:
         "--optimizer", action="store_true", help="also record the optimizer step signals"
     )
     parser.add_argument(
+        "--step-signals",
+        type=lambda text: tuple(name for name in text.split(",") if name),
+        default=None,
+        help="only these step signals, comma-separated (implies --optimizer)",
+    )
+    parser.add_argument(
         "--background",
         choices=sorted(_BACKGROUND),
         default="auto",
@@ -355,6 +367,15 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     arguments = parser()
     args = arguments.parse_args()
+    args.optimizer = args.optimizer or args.step_signals is not None
+    if args.step_signals is not None:
+        from torchinstruments_core import ConfigurationError
+        from torchinstruments_core._optimizer_probe import parse_step_signals
+
+        try:
+            parse_step_signals(args.step_signals)
+        except ConfigurationError as error:
+            arguments.error(f"--step-signals: {error}")
     torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         arguments.error("--device cuda: CUDA is not available on this machine")

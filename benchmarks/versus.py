@@ -47,13 +47,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from _overhead_workloads import WORKLOADS, build
-from _warmup import SECONDS, warm_up
+from _overhead_workloads import WORKLOADS
+from _rounds import alternate
 
 _ROOT = Path(__file__).resolve().parent.parent
 _PACKAGE = "torchinstruments_core"
@@ -153,53 +152,15 @@ def measure(
     name: str, packages: dict[str, Any], rounds: int, warmup: int, *, optimizer: bool = False
 ) -> dict[str, list[float]]:
     """Each configuration's step over the round's plain step, ``rounds`` rounds."""
-    plain = build(name, torch.device("cpu"))
-    copies = {label: build(name, torch.device("cpu")) for label in packages}
-    folders = {label: tempfile.mkdtemp(prefix=f"versus-{label}-") for label in packages}
-    observers = {
-        label: package.inject_observer(
-            copies[label].model,
-            output_dir=Path(folders[label]) / "run",
-            optimizer=copies[label].optimizer if optimizer else None,
+
+    def observer(package: Any) -> Any:
+        return lambda copy, folder: package.inject_observer(
+            copy.model, output_dir=folder, optimizer=copy.optimizer if optimizer else None
         )
-        for label, package in packages.items()
-    }
-    number = 0
 
-    def step(label: str, sample: bool) -> float:
-        nonlocal number
-        started = time.perf_counter()
-        if label == "plain":
-            plain.step()
-        else:
-            observers[label].begin_step(number, sample=sample)
-            copies[label].step()
-            observers[label].end_step()
-            number += 1
-        return time.perf_counter() - started
-
-    labels = ["plain", *packages]
-    try:
-
-        def warm_round(index: int) -> None:
-            for label in labels:
-                step(label, index % 2 == 0 and label != "plain")
-
-        warm_up(warm_round, warmup, SECONDS, name)
-        times: dict[str, list[float]] = {key: [] for key in labels}
-        times.update({f"{label} after": [] for label in packages})
-        for index in range(rounds):
-            print(f"\r{name}: round {index + 1}/{rounds}", end="", file=sys.stderr)
-            for label in labels[index % 3 :] + labels[: index % 3]:
-                times[label].append(step(label, label != "plain"))
-                if label != "plain":
-                    times[f"{label} after"].append(step(label, False))
-        print(file=sys.stderr)
-    finally:
-        for observer in observers.values():
-            observer.remove()
-        for folder in folders.values():
-            shutil.rmtree(folder, ignore_errors=True)
+    times = alternate(
+        name, {label: observer(package) for label, package in packages.items()}, rounds, warmup
+    )
     base = times["plain"]
     ratios = {
         key: [t / p for t, p in zip(values, base, strict=True)] for key, values in times.items()
