@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from torchinstruments_core._rank_gate import RankGate
     from torchinstruments_core._scale import GradientScaleReader
     from torchinstruments_core._sink_session import SinkSession
-    from torchinstruments_core._step_records import StepScalars, StepTensor
+    from torchinstruments_core._step_records import StepScalars, StepTensor, UnavailableRow
 
 
 def _ignore(step: int | None) -> None:
@@ -341,7 +341,7 @@ class SampleLifecycle:
         return record
 
     def measure_step(
-        self, record: Sample, tensors: Iterable[StepTensor | StepScalars]
+        self, record: Sample, tensors: Iterable[StepTensor | StepScalars | UnavailableRow]
     ) -> dict[int, Measurement]:
         """Reduce ``tensors`` into ``record``, on their devices; their measurements, by id."""
         return self._steps.measure(record, tensors, writes=id(record) not in self._joining)

@@ -122,12 +122,17 @@ class Measurement:
         """
         shared, self.shared = self.shared, None
         if shared is not None and version(shared[0]) != shared[1]:
-            self.reason = UnavailableReason.MODIFIED_IN_PLACE
-            self.n_finite, self.histogram, self.histogram_edges = None, None, None
-            self.results.clear()
-            self.errors.clear()  # a reducer that choked on entries changing under it did not fail
+            self.modified()
             if self.changed is not None:
                 self.changed()
+
+    def modified(self) -> None:
+        """Drop the values: the tensor changed in place while read (``modified_in_place``)."""
+        self.reason = UnavailableReason.MODIFIED_IN_PLACE
+        self.n_finite, self.histogram, self.histogram_edges = None, None, None
+        self.summary = None
+        self.results.clear()
+        self.errors.clear()  # a reducer that choked on entries changing under it did not fail
 
 
 def shareable(tensor: torch.Tensor, *, groups: bool | None = None) -> bool:

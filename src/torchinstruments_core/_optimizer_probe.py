@@ -6,7 +6,11 @@ recorded step the pre-hook measures the gradients where they are (``_step_tensor
 .gradient_tensors``) and what ``_step_tensors.before_step`` lists, waits for the gradients'
 reductions, then makes the whole-model gradient row from them (``model_gradient``); the
 post-hook measures what comes after the update; one step record, delivered when the post-hook
-ends. Both do a recorded step's work with Python's garbage collector paused (``_collector``).
+ends. An optimizer whose step only reads its gradients (``leaves_gradients``: torch's AdamW,
+among others) has them reduced while it steps: the post-hook waits for them and makes the
+whole-model row, and a gradient that changed meanwhile after all (its version moved) has its
+values dropped (``modified_in_place``), and the optimizer's later steps wait in the pre-hook.
+Both hooks do a recorded step's work with Python's garbage collector paused (``_collector``).
 
 An optimizer stepped with a closure (Lightning without a GradScaler, LBFGS) computes its
 gradients inside ``step``, after the pre-hook: the pre-hook then wraps the closure, and the
@@ -33,7 +37,10 @@ from torchinstruments_core._step_tensors import (
     ParameterMap,
     PreStepCopy,
     before_step,
+    changed_gradients,
     gradient_tensors,
+    gradient_versions,
+    leaves_gradients,
     loss_scale,
     model_gradient,
     optimizer_state,
@@ -99,6 +106,11 @@ class _Pending:
     copies: list[PreStepCopy]
     measured: dict[int, Measurement] = field(default_factory=dict)
     """The measurements made before the step, by the id of the tensor measured."""
+    gradients: dict[int, Measurement] = field(default_factory=dict)
+    """The gradients' measurements, by the id of the gradient, where they are reduced during
+    the step (``leaves_gradients``): the whole-model row is made from them after it."""
+    versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    """Those gradients with their versions before the step (``gradient_versions``)."""
 
 
 class OptimizerProbe:
@@ -126,6 +138,8 @@ class OptimizerProbe:
         self._stepping = False  # between a claimed pre-hook and its post-hook
         self._sampled_step: int | None = None  # the step in progress, when announced sampled
         self._buffers = CopyBuffers()  # the parameters' copies' memory, from step to step
+        # the optimizers found changing a gradient they were thought to leave alone
+        self._writers: set[int] = set()
 
     @property
     def watching(self) -> bool:
@@ -212,6 +226,9 @@ class OptimizerProbe:
         try:
             scale = loss_scale(optimizer)
             gradients = gradient_tensors(optimizer, parameters, signals, scale)
+            during = id(optimizer) not in self._writers and leaves_gradients(optimizer, gradients)
+            if during:  # reduced while the optimizer steps: checked in the post-hook
+                pending.versions = gradient_versions(gradients)
             measured = {}
             try:
                 measured = self._lifecycle.measure_step(record, gradients)  # reduced meanwhile
@@ -219,9 +236,13 @@ class OptimizerProbe:
                     optimizer, parameters, signals, scale, self._buffers
                 )
             finally:  # before the optimizer may change them, whatever failed meanwhile
-                if gradients:
+                if gradients and not during:
                     self._lifecycle.wait_for_reductions()
-            whole = model_gradient(optimizer, parameters, signals, scale, measured)
+            whole = None
+            if during:
+                pending.gradients = measured
+            else:
+                whole = model_gradient(optimizer, parameters, signals, scale, measured)
             pending.measured = self._lifecycle.measure_step(
                 record, [*tensors, *([] if whole is None else [whole])]
             )
@@ -239,8 +260,12 @@ class OptimizerProbe:
             return
         self._stepping = False
         try:
-            if pending.copies:  # parameters measured from their copies: formed into updates next
+            # parameters measured from their copies, formed into updates next; gradients
+            # reduced during the step, which may be zeroed once the hook returns
+            if pending.copies or pending.versions:
                 self._lifecycle.wait_for_reductions()
+            if pending.versions:
+                self._gradients_after(optimizer, pending)
             updated = updates(pending.copies, pending.measured)
             self._lifecycle.measure_step(pending.record, updated)
             if Signal.OPTIMIZER_STATE in self._signals:
@@ -249,12 +274,37 @@ class OptimizerProbe:
         except Exception as error:  # observing must never break the training step
             self._failures.failed("measuring after an optimizer step", error, "step", _CONSEQUENCE)
         finally:
+            if pending.versions:  # not checked: something failed before
+                self._lifecycle.wait_for_reductions()
+                _drop_changed(pending)
             pending.copies.clear()
             self._lifecycle.deliver_step(pending.record)
+
+    def _gradients_after(self, optimizer: torch.optim.Optimizer, pending: _Pending) -> None:
+        """Check the gradients reduced during the step, then make the whole-model row.
+
+        One that changed (its version moved) has its values dropped: they could mix what the
+        step was handed and what it wrote. The optimizer's later steps then wait for their
+        gradients' reductions in the pre-hook.
+        """
+        changed = _drop_changed(pending)
+        if changed:
+            self._writers.add(id(optimizer))
+        parameters = self._parameters
+        assert parameters is not None, "a pending step is only opened with parameters"
+        scale = loss_scale(optimizer)
+        whole = model_gradient(
+            optimizer, parameters, self._signals, scale, pending.gradients, changed
+        )
+        if whole is not None:
+            self._lifecycle.measure_step(pending.record, [whole])
 
     def _finish(self, key: int) -> None:
         pending = self._pending.pop(key, None)
         if pending is not None:
+            if pending.versions:  # reduced during a step that raised
+                self._lifecycle.wait_for_reductions()
+                _drop_changed(pending)
             pending.copies.clear()
             self._lifecycle.deliver_step(pending.record)
 
@@ -270,6 +320,21 @@ class OptimizerProbe:
         self._window.watching = False
         self._parameters = None
         self._buffers.clear()
+        self._writers.clear()
+
+
+def _drop_changed(pending: _Pending) -> set[int]:
+    """The gradients reduced during the step that changed meanwhile, their values dropped.
+
+    The caller has waited for their reductions.
+    """
+    changed = changed_gradients(pending.versions)
+    pending.versions = []
+    for key in changed:
+        measurement = pending.gradients.get(key)
+        if measurement is not None:
+            measurement.modified()
+    return changed
 
 
 class _Once:

@@ -47,8 +47,9 @@ class UnavailableReason(StrEnum):
     NO_GRADIENT = "no_gradient"
     MODIFIED_IN_PLACE = "modified_in_place"
     """A tensor the CPU reduction worker read without a copy (a gradient, an output) changed in
-    place before that was checked (``Measurer.measure(shared=True)``): its values could mix the
-    old and the new."""
+    place before that was checked (``Measurer.measure(shared=True)``; an optimizer's gradient
+    reduced during its step, ``_step_tensors.leaves_gradients``): its values could mix the old
+    and the new."""
     REDUCER_ERROR = "reducer_error"
 
 

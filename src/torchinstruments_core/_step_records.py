@@ -52,7 +52,8 @@ class StepTensor:
             state after the update (the post-hook measures them and delivers the record before
             it returns), a parameter's copy taken for its update (waited for before the update
             is formed in it, ``_step_tensors.updates``), a gradient (waited for before the
-            optimizer runs, ``_step_tensors.gradient_tensors``).
+            optimizer runs, or before its post-hook returns where the optimizer only reads
+            it, ``_step_tensors.gradient_tensors``).
 
     Raises:
         ConfigurationError: ``signal`` belongs to forward samples.
@@ -96,6 +97,25 @@ class StepScalars:
     n_finite: torch.Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class UnavailableRow:
+    """A row of a step record without values, and why (whole-model rows that cannot be made).
+
+    Attributes:
+        layer: The row's ``layer`` (``MODEL_LAYER``).
+        signal: A signal of kind ``RecordKind.STEP``.
+        name: The row's ``tensor_path`` (``ALL_PARAMETERS``).
+        metrics: The metric names.
+        reason: An ``UnavailableReason``.
+    """
+
+    layer: str
+    signal: Signal
+    name: str
+    metrics: tuple[str, ...]
+    reason: str
+
+
 class StepRecorder:
     """Measures the tensors of one optimizer step into a step record, on their devices.
 
@@ -124,7 +144,7 @@ class StepRecorder:
     def measure(
         self,
         record: Sample,
-        tensors: Iterable[StepTensor | StepScalars],
+        tensors: Iterable[StepTensor | StepScalars | UnavailableRow],
         *,
         writes: bool = True,
     ) -> dict[int, Measurement]:
@@ -144,6 +164,8 @@ class StepRecorder:
                 continue
             elif isinstance(item, StepScalars):
                 record.add(site, _scalars(item))
+            elif isinstance(item, UnavailableRow):
+                record.add(site, Measurement(item.reason, item.metrics))
             else:
                 measurement = measure_site(
                     self._measurer,

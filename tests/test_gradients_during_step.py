@@ -1,0 +1,302 @@
+"""The gradients of an optimizer that only reads them, reduced while it steps.
+
+A recorded step's gradients are read where they are, on the kernels' queue. An optimizer that may
+write into them (torch's SGD with Nesterov momentum under ``foreach``, a subclass, a fused one)
+has them measured before its step begins: the pre-hook waits. One whose step only reads them
+(``_step_tensors.leaves_gradients``: torch's AdamW, SGD without Nesterov momentum, ...) has them
+reduced during its step, and the post-hook waits and checks their versions: a gradient something
+changed in place meanwhile loses its values (``modified_in_place``, and the whole-model row
+too), and that optimizer's later steps wait in the pre-hook. The values are those of the gradient
+the step was handed, either way.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchinstruments_core._measure as measure_module
+from optimizer_helpers import step_records
+from torchinstruments_core import AlwaysSampler, SampleRecord, inject_observer
+from torchinstruments_core._lifecycle import SampleLifecycle
+from torchinstruments_core._step_tensors import leaves_gradients
+from torchinstruments_core.testing import RecordingSink
+
+MODIFIED = "modified_in_place"
+
+
+class _SubclassedAdamW(torch.optim.AdamW):
+    """A subclass may change its gradients in its own step: it is not trusted to leave them."""
+
+
+@pytest.fixture
+def wait_sites(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the probe's functions that waited for the reductions, in order.
+
+    The kernels' queue takes the step's tensors on a thread of its own (``free_core``), as on
+    a machine whose torch leaves a core free.
+    """
+    monkeypatch.setattr(measure_module, "free_core", lambda: True)
+    sites: list[str] = []
+    wait = SampleLifecycle.wait_for_reductions
+
+    def noted(self: SampleLifecycle) -> None:
+        sites.append(sys._getframe(1).f_code.co_name)
+        wait(self)
+
+    monkeypatch.setattr(SampleLifecycle, "wait_for_reductions", noted)
+    return sites
+
+
+def _layer() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(256, 256)
+
+
+def _gradient_rows(record: SampleRecord, layer: str = "0") -> dict[tuple[str, str], Any]:
+    """``(tensor_path, metric)`` -> (value, reason) of one record's ``parameter_gradient`` rows."""
+    return {
+        (r.tensor_path, r.metric): (r.value, r.unavailable_reason)
+        for r in record.rows
+        if str(r.signal) == "parameter_gradient" and r.layer == layer
+    }
+
+
+def _model_gradient(record: SampleRecord) -> dict[str, Any]:
+    return {
+        r.metric: (r.value, r.unavailable_reason)
+        for r in record.rows
+        if str(r.signal) == "parameter_gradient" and r.layer == "<model>"
+    }
+
+
+def _check_values(record: SampleRecord, handed: dict[str, torch.Tensor]) -> None:
+    """Its gradient rows are those of the gradients ``handed`` to the step (float64 copies)."""
+    rows = _gradient_rows(record)
+    for path, gradient in handed.items():
+        assert rows[(path, "max")][0] == pytest.approx(gradient.max().item(), rel=1e-6)
+        assert rows[(path, "min")][0] == pytest.approx(gradient.min().item(), rel=1e-6)
+        rms = gradient.square().mean().sqrt().item()
+        assert rows[(path, "rms")][0] == pytest.approx(rms, rel=1e-5)
+    norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in handed.values()])).item()
+    assert _model_gradient(record)["l2_norm"][0] == pytest.approx(norm, rel=1e-5)
+
+
+def _train(
+    layer: nn.Linear, optimizer: torch.optim.Optimizer, steps: int, after: Any = None
+) -> tuple[list[SampleRecord], list[dict[str, torch.Tensor]]]:
+    """``steps`` sampled steps; each step's gradients as handed to it, copied in float64.
+
+    The copying hook is registered before the observer's, ``after`` (a step pre-hook) after it.
+    """
+    handed: list[dict[str, torch.Tensor]] = []
+
+    def copy(*_: object) -> None:
+        handed.append({n: p.grad.double().clone() for n, p in layer.named_parameters()})  # type: ignore[union-attr]
+
+    optimizer.register_step_pre_hook(copy)
+    sink = RecordingSink()
+    with inject_observer(
+        nn.Sequential(layer), sampler=AlwaysSampler(), sink=sink, optimizer=optimizer
+    ) as observer:
+        if after is not None:
+            optimizer.register_step_pre_hook(after)
+        for step in range(steps):
+            observer.begin_step(step, sample=True)
+            batch = torch.randn(32, 256, generator=torch.Generator().manual_seed(step))
+            layer(batch).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            observer.end_step()
+    return step_records(sink), handed
+
+
+@pytest.mark.parametrize(
+    ("make", "during"),
+    [
+        (lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1), True),
+        (lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=0.1, maximize=True), True),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True), True),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, foreach=True), False),
+        (lambda p: _SubclassedAdamW(p, lr=1e-3), False),
+    ],
+    ids=["AdamW", "Adam-maximize", "SGD-momentum", "SGD-nesterov-foreach", "AdamW-subclass"],
+)
+def test_gradients_are_reduced_during_a_step_that_only_reads_them(
+    wait_sites: list[str], make: Any, during: bool
+) -> None:
+    """Where the probe waits, by optimizer; the rows are the handed gradients' either way."""
+    layer = _layer()
+    optimizer = make(layer.parameters())
+    records, handed = _train(layer, optimizer, steps=3)
+    # the post-hook waits for the parameters' copies in any case
+    expected = ["_after"] * 3 if during else ["_before", "_after"] * 3
+    assert wait_sites == expected
+    assert len(records) == 3
+    for record, gradients in zip(records, handed, strict=True):
+        _check_values(record, gradients)
+
+
+def test_a_gradient_changed_during_the_step_loses_its_values_and_later_steps_wait(
+    wait_sites: list[str],
+) -> None:
+    """A step pre-hook after the observer's halves the gradients in place, at every step.
+
+    The first step's gradients were being reduced meanwhile: their rows and the whole-model row
+    have no values (``modified_in_place``), not a mix of the two. From then on the pre-hook
+    waits, and the rows are those of the gradients as the observer's pre-hook found them.
+    """
+    layer = _layer()
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+
+    def halve(*_: object) -> None:
+        with torch.no_grad():
+            for parameter in layer.parameters():
+                parameter.grad.mul_(0.5)  # type: ignore[union-attr]
+
+    records, handed = _train(layer, optimizer, steps=3, after=halve)
+    assert wait_sites == ["_after", "_before", "_after", "_before", "_after"]
+    first = _gradient_rows(records[0])
+    assert first  # the rows are there, without values
+    assert {reason for _, reason in first.values()} == {MODIFIED}
+    assert {value for value, _ in first.values()} == {None}
+    assert {reason for _, reason in _model_gradient(records[0]).values()} == {MODIFIED}
+    for record, gradients in zip(records[1:], handed[1:], strict=True):
+        _check_values(record, gradients)
+    # the other signals of the first step kept their values
+    kept = [r for r in records[0].rows if str(r.signal) in ("parameter", "update")]
+    assert kept
+    assert all(r.value is not None for r in kept)
+
+
+def test_a_step_that_raises_after_changing_its_gradients_has_them_dropped(
+    wait_sites: list[str],
+) -> None:
+    """A hook after the observer's halves the gradients and raises: the step never ends.
+
+    Its record is delivered when the next step begins (or the observer is removed): the
+    gradients reduced during it changed, so their rows read ``modified_in_place``; the next
+    step, whose gradients nothing changes, has its values.
+    """
+    layer = _layer()
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    failing = [True]
+
+    def halve_and_fail(*_: object) -> None:
+        if failing.pop() if failing else False:
+            with torch.no_grad():
+                layer.weight.grad.mul_(0.5)  # type: ignore[union-attr]
+            raise RuntimeError("a hook failed")
+
+    sink = RecordingSink()
+    handed: list[torch.Tensor] = []
+    with inject_observer(
+        nn.Sequential(layer), sampler=AlwaysSampler(), sink=sink, optimizer=optimizer
+    ) as observer:
+        optimizer.register_step_pre_hook(halve_and_fail)
+        for step in range(2):
+            observer.begin_step(step, sample=True)
+            batch = torch.randn(32, 256, generator=torch.Generator().manual_seed(step))
+            layer(batch).square().mean().backward()
+            handed.append(layer.weight.grad.double().clone())  # type: ignore[union-attr]
+            try:
+                optimizer.step()
+            except RuntimeError:
+                assert step == 0
+            optimizer.zero_grad()
+            observer.end_step()
+    first, second = step_records(sink)
+    rows = _gradient_rows(first)
+    assert {rows[("weight", m)][1] for m in ("max", "min", "rms")} == {MODIFIED}
+    assert rows[("bias", "max")][0] is not None  # the bias was not changed
+    assert wait_sites[-1] == "_after"  # the second step ended normally
+    assert _gradient_rows(second)[("weight", "max")][0] == pytest.approx(
+        handed[1].max().item(), rel=1e-6
+    )
+
+
+def test_leaves_gradients_declines_what_may_write_into_them() -> None:
+    """Fused or differentiable groups, Nesterov SGD, subclasses, other optimizers, a loss scale."""
+    from torchinstruments_core._signals import Signal
+    from torchinstruments_core._step_records import StepTensor
+
+    layer = _layer()
+    layer(torch.randn(2, 256)).sum().backward()
+    assert layer.weight.grad is not None
+    gradients = [StepTensor("0", Signal.PARAMETER_GRADIENT, "weight", layer.weight.grad)]
+    params = list(layer.parameters())
+    assert leaves_gradients(torch.optim.AdamW(params), gradients)
+    assert leaves_gradients(torch.optim.RMSprop(params), gradients)
+    assert not leaves_gradients(torch.optim.AdamW(params), [])
+    assert not leaves_gradients(torch.optim.AdamW(params, differentiable=True), gradients)
+    assert not leaves_gradients(
+        torch.optim.SGD(params, lr=0.1, nesterov=True, momentum=0.9), gradients
+    )
+    assert not leaves_gradients(_SubclassedAdamW(params), gradients)
+    assert not leaves_gradients(torch.optim.Rprop(params), gradients)  # writes into them
+    assert not leaves_gradients(torch.optim.LBFGS(params), gradients)
+    scaled = torch.optim.AdamW(params)
+    scaled.grad_scale = torch.tensor(1024.0)  # type: ignore[attr-defined]
+    assert not leaves_gradients(scaled, gradients)
+    if "fused" in torch.optim.AdamW.__init__.__code__.co_varnames:
+        try:
+            fused = torch.optim.AdamW(params, fused=True)
+        except RuntimeError:  # no fused CPU kernel in this torch
+            fused = None
+        if fused is not None:
+            assert not leaves_gradients(fused, gradients)
+
+
+def test_lightning_demo_model_with_adamw_reduces_gradients_during_its_step(
+    wait_sites: list[str], tmp_path: pathlib.Path
+) -> None:
+    """``BoringModel`` with AdamW under ``Trainer.fit`` (a closure): rows equal Lightning's grads.
+
+    ``on_before_optimizer_step`` runs after the closure's backward, inside the optimizer's step,
+    where the observer's "before" measurements run too: the gradients copied there are the ones
+    the step uses.
+    """
+    import polars as pl
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_helpers import trainer
+    from torchinstruments_lightning import TelemetryMonitor
+
+    class AdamWModel(BoringModel):
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.AdamW(self.parameters(), lr=1e-3)], []
+
+    handed: list[dict[str, torch.Tensor]] = []
+
+    class Copy(Callback):
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            handed.append({n: p.grad.double().clone() for n, p in module.named_parameters()})
+
+    monitor = TelemetryMonitor(every_n_steps=1, output_dir=tmp_path / "run", log_to_loggers=False)
+    fit = trainer(tmp_path, callbacks=[monitor, Copy()], logger=False, max_steps=3)
+    fit.fit(AdamWModel())
+    assert wait_sites == ["_after"] * 3
+    assert monitor.run_directory is not None
+    history = pl.read_parquet(monitor.run_directory / "history.parquet")
+    rows = history.filter(pl.col("signal") == "parameter_gradient")
+    assert len(handed) == 3
+    for step, gradients in enumerate(handed):
+        at = rows.filter(pl.col("step") == step)
+        for name, gradient in gradients.items():
+            layer, _, path = name.rpartition(".")
+            found = {
+                metric: value
+                for metric, value in at.filter(
+                    (pl.col("layer") == layer) & (pl.col("tensor_path") == path)
+                )
+                .select("metric", "value")
+                .iter_rows()
+            }
+            assert found["max"] == pytest.approx(gradient.max().item(), rel=1e-6)
+            assert found["min"] == pytest.approx(gradient.min().item(), rel=1e-6)
