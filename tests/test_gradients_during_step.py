@@ -142,24 +142,44 @@ def test_gradients_are_reduced_during_a_step_that_only_reads_them(
         _check_values(record, gradients)
 
 
-def test_a_gradient_changed_during_the_step_loses_its_values_and_later_steps_wait(
-    wait_sites: list[str],
-) -> None:
-    """A step pre-hook after the observer's halves the gradients in place, at every step.
+@pytest.fixture
+def adamw_writes(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """AdamW made to halve its gradients in place as its step begins (a future torch, say).
 
-    The first step's gradients were being reduced meanwhile: their rows and the whole-model row
-    have no values (``modified_in_place``), not a mix of the two. From then on the pre-hook
-    waits, and the rows are those of the gradients as the observer's pre-hook found them.
+    An optimizer made after this gets the step wrapped in torch's hooks as usual. A ``True``
+    appended to the list makes the next step raise once it has halved them.
+    """
+    original = torch.optim.AdamW.step
+    hooked = getattr(original, "hooked", False)
+    plain = original.__wrapped__ if hooked else original  # type: ignore[attr-defined]
+    raising: list[bool] = []
+
+    def step(self: torch.optim.AdamW, closure: Any = None) -> Any:
+        with torch.no_grad():
+            for group in self.param_groups:
+                for parameter in group["params"]:
+                    if parameter.grad is not None:
+                        parameter.grad.mul_(0.5)
+        if raising and raising.pop():
+            raise RuntimeError("the step failed")
+        return plain(self, closure)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    return raising
+
+
+def test_a_gradient_changed_during_the_step_loses_its_values_and_later_steps_wait(
+    wait_sites: list[str], adamw_writes: list[bool]
+) -> None:
+    """An AdamW whose step halves its gradients: the first step's reading is not trusted.
+
+    The first step's gradients were being reduced while the step wrote into them: their rows
+    and the whole-model row have no values (``modified_in_place``), not a mix of the two. From
+    then on the pre-hook waits, and the rows are those of the gradients the step was handed.
     """
     layer = _layer()
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-
-    def halve(*_: object) -> None:
-        with torch.no_grad():
-            for parameter in layer.parameters():
-                parameter.grad.mul_(0.5)  # type: ignore[union-attr]
-
-    records, handed = _train(layer, optimizer, steps=3, after=halve)
+    records, handed = _train(layer, optimizer, steps=3)
     assert wait_sites == ["_after", "_before", "_after", "_before", "_after"]
     first = _gradient_rows(records[0])
     assert first  # the rows are there, without values
@@ -174,36 +194,85 @@ def test_a_gradient_changed_during_the_step_loses_its_values_and_later_steps_wai
     assert all(r.value is not None for r in kept)
 
 
-def test_a_step_that_raises_after_changing_its_gradients_has_them_dropped(
-    wait_sites: list[str],
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_gradients_with_a_graph_changed_during_the_step_lose_the_whole_model_row_too(
+    wait_sites: list[str], adamw_writes: list[bool]
 ) -> None:
-    """A hook after the observer's halves the gradients and raises: the step never ends.
+    """``backward(create_graph=True)``: gradients that require grad, read detached.
 
-    Its record is delivered when the next step begins (or the observer is removed): the
-    gradients reduced during it changed, so their rows read ``modified_in_place``; the next
-    step, whose gradients nothing changes, has its values.
+    The whole-model row tells a changed one by the ``.grad`` tensor itself, not its detached
+    alias: it has no values either.
     """
     layer = _layer()
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-    failing = [True]
-
-    def halve_and_fail(*_: object) -> None:
-        if failing.pop() if failing else False:
-            with torch.no_grad():
-                layer.weight.grad.mul_(0.5)  # type: ignore[union-attr]
-            raise RuntimeError("a hook failed")
-
     sink = RecordingSink()
-    handed: list[torch.Tensor] = []
     with inject_observer(
         nn.Sequential(layer), sampler=AlwaysSampler(), sink=sink, optimizer=optimizer
     ) as observer:
-        optimizer.register_step_pre_hook(halve_and_fail)
+        observer.begin_step(0, sample=True)
+        layer(torch.randn(32, 256)).square().mean().backward(create_graph=True)
+        assert layer.weight.grad is not None
+        assert layer.weight.grad.requires_grad
+        optimizer.step()
+        optimizer.zero_grad()  # to None: no cycle between the parameters and their gradients
+        observer.end_step()
+    (record,) = step_records(sink)
+    assert wait_sites == ["_after"]
+    assert {reason for _, reason in _gradient_rows(record).values()} == {MODIFIED}
+    assert {reason for _, reason in _model_gradient(record).values()} == {MODIFIED}
+
+
+def test_a_failure_before_the_step_still_drops_what_the_step_changed(
+    wait_sites: list[str], adamw_writes: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parameters' copies fail (out of memory, say) after the gradients were handed over.
+
+    The observer warns; the gradients, reduced during a step that writes into them, still lose
+    their values, and the next step waits for them in the pre-hook.
+    """
+    import torchinstruments_core._optimizer_probe as probe_module
+    from torchinstruments_core import ObservationWarning
+
+    before_step = probe_module.before_step  # type: ignore[attr-defined]
+    failing = [True]
+
+    def fails_once(*args: Any) -> Any:
+        if failing.pop() if failing else False:
+            raise RuntimeError("no memory for the copies")
+        return before_step(*args)
+
+    monkeypatch.setattr(probe_module, "before_step", fails_once)
+    layer = _layer()
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    with pytest.warns(ObservationWarning, match="no memory for the copies"):
+        records, handed = _train(layer, optimizer, steps=2)
+    assert wait_sites == ["_after", "_before", "_after"]  # no copies: no wait but the check
+    assert {reason for _, reason in _gradient_rows(records[0]).values()} == {MODIFIED}
+    _check_values(records[1], handed[1])
+
+
+def test_a_step_that_raises_after_changing_its_gradients_has_them_dropped(
+    wait_sites: list[str], adamw_writes: list[bool]
+) -> None:
+    """The step raises after it halved the gradients: its post-hook never runs.
+
+    Its record is delivered when the next step begins: the gradients reduced during it
+    changed, so their rows read ``modified_in_place``; the next step waits for its gradients
+    in the pre-hook and has their values.
+    """
+    layer = _layer()
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    sink = RecordingSink()
+    handed: list[dict[str, torch.Tensor]] = []
+    adamw_writes.append(True)
+    with inject_observer(
+        nn.Sequential(layer), sampler=AlwaysSampler(), sink=sink, optimizer=optimizer
+    ) as observer:
         for step in range(2):
             observer.begin_step(step, sample=True)
             batch = torch.randn(32, 256, generator=torch.Generator().manual_seed(step))
             layer(batch).square().mean().backward()
-            handed.append(layer.weight.grad.double().clone())  # type: ignore[union-attr]
+            handed.append({n: p.grad.double().clone() for n, p in layer.named_parameters()})  # type: ignore[union-attr]
             try:
                 optimizer.step()
             except RuntimeError:
@@ -211,17 +280,110 @@ def test_a_step_that_raises_after_changing_its_gradients_has_them_dropped(
             optimizer.zero_grad()
             observer.end_step()
     first, second = step_records(sink)
-    rows = _gradient_rows(first)
-    assert {rows[("weight", m)][1] for m in ("max", "min", "rms")} == {MODIFIED}
-    assert rows[("bias", "max")][0] is not None  # the bias was not changed
-    assert wait_sites[-1] == "_after"  # the second step ended normally
-    assert _gradient_rows(second)[("weight", "max")][0] == pytest.approx(
-        handed[1].max().item(), rel=1e-6
-    )
+    assert {reason for _, reason in _gradient_rows(first).values()} == {MODIFIED}
+    assert {reason for _, reason in _model_gradient(first).values()} == {MODIFIED}
+    assert wait_sites == ["_close", "_before", "_after"]  # the second step waited before it
+    _check_values(second, handed[1])
 
 
-def test_leaves_gradients_declines_what_may_write_into_them() -> None:
-    """Fused or differentiable groups, Nesterov SGD, subclasses, other optimizers, a loss scale."""
+def test_another_hook_between_the_observer_s_two_makes_it_wait_before_the_step(
+    wait_sites: list[str],
+) -> None:
+    """A step pre-hook after the observer's, or a post-hook before its, may write anywhere.
+
+    It halves the gradients through ``.data``, which moves no version counter: the observer
+    waits for their reductions in its pre-hook, so the rows are those of the gradients its
+    pre-hook found, unmixed.
+    """
+    layer = _layer()
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+
+    def halve(*_: object) -> None:
+        for parameter in layer.parameters():
+            parameter.grad.data.mul_(0.5)  # type: ignore[union-attr]
+
+    records, handed = _train(layer, optimizer, steps=2, after=halve)
+    assert wait_sites == ["_before", "_after"] * 2
+    for record, gradients in zip(records, handed, strict=True):
+        _check_values(record, gradients)
+
+    wait_sites.clear()
+    layer = _layer()
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    optimizer.register_step_post_hook(lambda *_: None)  # before the observer's
+    records, handed = _train(layer, optimizer, steps=1)
+    assert wait_sites == ["_before", "_after"]
+    _check_values(records[0], handed[0])
+
+
+def test_two_optimizers_each_learn_on_their_own(
+    wait_sites: list[str], adamw_writes: list[bool]
+) -> None:
+    """An AdamW that writes into its gradients and an Adam that does not, on two layers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    writer = torch.optim.AdamW(model[0].parameters(), lr=1e-3)
+    reader = torch.optim.Adam(model[2].parameters(), lr=1e-3)
+    sink = RecordingSink()
+    with inject_observer(
+        model, sampler=AlwaysSampler(), sink=sink, optimizer=[writer, reader]
+    ) as observer:
+        for step in range(3):
+            observer.begin_step(step, sample=True)
+            model(torch.randn(8, 64)).square().mean().backward()
+            writer.step()
+            reader.step()
+            writer.zero_grad()
+            reader.zero_grad()
+            observer.end_step()
+    # step 0: both during their steps; then the writer waits before its step, the reader not
+    assert wait_sites == ["_after", "_after"] + ["_before", "_after", "_after"] * 2
+    reasons = {
+        (record.sample_id, row.layer): row.unavailable_reason
+        for record in step_records(sink)
+        for row in record.rows
+        if str(row.signal) == "parameter_gradient" and row.metric == "max"
+    }
+    assert len(reasons) == 6  # three steps of each optimizer's layer
+    modified = [layer for (_, layer), reason in reasons.items() if reason == MODIFIED]
+    assert modified == ["0"]  # the writer's first step only
+    assert sum(reason is None for reason in reasons.values()) == 5
+
+
+def test_a_plain_closure_step_reduces_during_the_step(wait_sites: list[str]) -> None:
+    """``SGD.step(closure)``: the measurements begin when the closure returns, inside the step."""
+    layer = _layer()
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    sink = RecordingSink()
+    handed: list[dict[str, torch.Tensor]] = []
+    with inject_observer(
+        nn.Sequential(layer), sampler=AlwaysSampler(), sink=sink, optimizer=optimizer
+    ) as observer:
+        for step in range(2):
+
+            def closure() -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = layer(torch.randn(32, 256)).square().mean()
+                loss.backward()
+                handed.append({n: p.grad.double().clone() for n, p in layer.named_parameters()})  # type: ignore[union-attr]
+                return loss
+
+            observer.begin_step(step, sample=True)
+            optimizer.step(closure)
+            observer.end_step()
+    assert wait_sites == ["_after"] * 2
+    for record, gradients in zip(step_records(sink), handed, strict=True):
+        _check_values(record, gradients)
+
+
+def test_leaves_gradients_declines_what_may_write_into_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What may write into the gradients, or write unseen, is declined.
+
+    Fused or differentiable groups, Nesterov SGD, subclasses, other optimizers, a loss scale, a
+    hyperparameter with a gradient, a process group up (a collective moves no version).
+    """
     from torchinstruments_core._signals import Signal
     from torchinstruments_core._step_records import StepTensor
 
@@ -240,6 +402,8 @@ def test_leaves_gradients_declines_what_may_write_into_them() -> None:
     assert not leaves_gradients(_SubclassedAdamW(params), gradients)
     assert not leaves_gradients(torch.optim.Rprop(params), gradients)  # writes into them
     assert not leaves_gradients(torch.optim.LBFGS(params), gradients)
+    decayed = torch.optim.SGD(params, lr=0.1, weight_decay=torch.tensor(0.01, requires_grad=True))
+    assert not leaves_gradients(decayed, gradients)
     scaled = torch.optim.AdamW(params)
     scaled.grad_scale = torch.tensor(1024.0)  # type: ignore[attr-defined]
     assert not leaves_gradients(scaled, gradients)
@@ -250,6 +414,10 @@ def test_leaves_gradients_declines_what_may_write_into_them() -> None:
             fused = None
         if fused is not None:
             assert not leaves_gradients(fused, gradients)
+    import torchinstruments_core._step_tensors as step_tensors
+
+    monkeypatch.setattr(step_tensors, "process_groups_up", lambda: True)
+    assert not leaves_gradients(torch.optim.AdamW(params), gradients)
 
 
 def test_lightning_demo_model_with_adamw_reduces_gradients_during_its_step(

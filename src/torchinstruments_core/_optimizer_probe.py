@@ -43,6 +43,7 @@ from torchinstruments_core._step_tensors import (
     leaves_gradients,
     loss_scale,
     model_gradient,
+    model_gradients,
     optimizer_state,
     updates,
 )
@@ -102,15 +103,20 @@ def unwrap(optimizer: object) -> object:
 class _Pending:
     """A recorded step between its pre-hook and its post-hook."""
 
+    optimizer: torch.optim.Optimizer
     record: Sample
     copies: list[PreStepCopy]
     measured: dict[int, Measurement] = field(default_factory=dict)
     """The measurements made before the step, by the id of the tensor measured."""
     gradients: dict[int, Measurement] = field(default_factory=dict)
-    """The gradients' measurements, by the id of the gradient, where they are reduced during
-    the step (``leaves_gradients``): the whole-model row is made from them after it."""
+    """Where the gradients are reduced during the step (``leaves_gradients``): their
+    measurements, by the id of the gradient."""
+    model: list[torch.Tensor] = field(default_factory=list)
+    """Then also the model's gradients as the step was handed them (``model_gradients``), for
+    the whole-model row made after it."""
     versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
-    """Those gradients with their versions before the step (``gradient_versions``)."""
+    """Then those gradients' versions before the step (``gradient_versions``); emptied once
+    checked."""
 
 
 class OptimizerProbe:
@@ -221,17 +227,24 @@ class OptimizerProbe:
         record = self._lifecycle.open_step(step, joins=self._lifecycle.joins_steps)
         if record is None or self._parameters is None:
             return
-        pending = self._pending[id(optimizer)] = _Pending(record, [])
+        pending = self._pending[id(optimizer)] = _Pending(optimizer, record, [])
         parameters, signals = self._parameters, self._signals
         try:
             scale = loss_scale(optimizer)
             gradients = gradient_tensors(optimizer, parameters, signals, scale)
-            during = id(optimizer) not in self._writers and leaves_gradients(optimizer, gradients)
+            during = (
+                id(optimizer) not in self._writers
+                and self._innermost(optimizer)
+                and leaves_gradients(optimizer, gradients)
+            )
             if during:  # reduced while the optimizer steps: checked in the post-hook
-                pending.versions = gradient_versions(gradients)
+                pending.model = model = model_gradients(optimizer, parameters)
+                pending.versions = gradient_versions([*(g.tensor for g in gradients), *model])
             measured = {}
             try:
                 measured = self._lifecycle.measure_step(record, gradients)  # reduced meanwhile
+                if during:
+                    pending.gradients = measured
                 tensors, pending.copies = before_step(
                     optimizer, parameters, signals, scale, self._buffers
                 )
@@ -239,10 +252,9 @@ class OptimizerProbe:
                 if gradients and not during:
                     self._lifecycle.wait_for_reductions()
             whole = None
-            if during:
-                pending.gradients = measured
-            else:
-                whole = model_gradient(optimizer, parameters, signals, scale, measured)
+            if not during:
+                model = model_gradients(optimizer, parameters)
+                whole = model_gradient(model, signals, scale, measured)
             pending.measured = self._lifecycle.measure_step(
                 record, [*tensors, *([] if whole is None else [whole])]
             )
@@ -264,8 +276,7 @@ class OptimizerProbe:
             # reduced during the step, which may be zeroed once the hook returns
             if pending.copies or pending.versions:
                 self._lifecycle.wait_for_reductions()
-            if pending.versions:
-                self._gradients_after(optimizer, pending)
+            self._gradients_after(pending)
             updated = updates(pending.copies, pending.measured)
             self._lifecycle.measure_step(pending.record, updated)
             if Signal.OPTIMIZER_STATE in self._signals:
@@ -274,39 +285,68 @@ class OptimizerProbe:
         except Exception as error:  # observing must never break the training step
             self._failures.failed("measuring after an optimizer step", error, "step", _CONSEQUENCE)
         finally:
-            if pending.versions:  # not checked: something failed before
-                self._lifecycle.wait_for_reductions()
-                _drop_changed(pending)
-            pending.copies.clear()
-            self._lifecycle.deliver_step(pending.record)
+            self._close(pending)
 
-    def _gradients_after(self, optimizer: torch.optim.Optimizer, pending: _Pending) -> None:
+    def _innermost(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether no other hook of ``optimizer`` runs between the observer's two.
+
+        Its pre-hook is the last of the optimizer's own (torch runs the global ones before
+        them) and its post-hook the first (the global ones run after them): nothing but the
+        optimizer's step then runs while the gradients are reduced during it. torch keeps
+        the hooks in ordered dicts by handle id (``_optimizer_step_pre_hooks``, private: a
+        torch without them gets ``False``).
+        """
+        watched = self._watched.get(id(optimizer))
+        pre = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+        post = getattr(optimizer, "_optimizer_step_post_hooks", None)
+        if watched is None or not isinstance(pre, dict) or not isinstance(post, dict):
+            return False
+        if not pre or not post:
+            return False
+        ours_pre, ours_post = watched[1]
+        return bool(next(reversed(pre)) == ours_pre.id and next(iter(post)) == ours_post.id)
+
+    def _gradients_after(self, pending: _Pending) -> None:
         """Check the gradients reduced during the step, then make the whole-model row.
 
-        One that changed (its version moved) has its values dropped: they could mix what the
-        step was handed and what it wrote. The optimizer's later steps then wait for their
-        gradients' reductions in the pre-hook.
+        Nothing to do where they were reduced before it. One that changed (its version moved)
+        has its values dropped: they could mix what the step was handed and what it wrote; the
+        whole-model row then has none either, and the optimizer's later steps wait for their
+        gradients' reductions in the pre-hook. The caller has waited for the reductions.
         """
-        changed = _drop_changed(pending)
+        if not pending.versions:
+            return
+        changed = changed_gradients(pending.versions)
+        pending.versions = []
         if changed:
-            self._writers.add(id(optimizer))
-        parameters = self._parameters
-        assert parameters is not None, "a pending step is only opened with parameters"
-        scale = loss_scale(optimizer)
-        whole = model_gradient(
-            optimizer, parameters, self._signals, scale, pending.gradients, changed
-        )
+            self._writers.add(id(pending.optimizer))
+            for key in changed:
+                measurement = pending.gradients.get(key)
+                if measurement is not None:
+                    measurement.modified()
+        scale = loss_scale(pending.optimizer)
+        signals, measured = self._signals, pending.gradients
+        whole = model_gradient(pending.model, signals, scale, measured, changed)
+        pending.model = []
         if whole is not None:
             self._lifecycle.measure_step(pending.record, [whole])
 
-    def _finish(self, key: int) -> None:
-        pending = self._pending.pop(key, None)
-        if pending is not None:
-            if pending.versions:  # reduced during a step that raised
+    def _close(self, pending: _Pending) -> None:
+        """Deliver ``pending``'s record; gradients reduced during its step checked first."""
+        try:
+            if pending.versions:  # not checked yet: the step raised, or the post-hook failed
                 self._lifecycle.wait_for_reductions()
-                _drop_changed(pending)
+                self._gradients_after(pending)
+        except Exception as error:  # observing must never break the training step
+            self._failures.failed("measuring after an optimizer step", error, "step", _CONSEQUENCE)
+        finally:
             pending.copies.clear()
             self._lifecycle.deliver_step(pending.record)
+
+    def _finish(self, key: int) -> None:
+        pending = self._pending.pop(key, None)
+        if pending is not None:  # a step that raised before its post-hook
+            self._close(pending)
 
     def remove(self) -> None:
         """Remove every hook and deliver what is pending. Safe to call again."""
@@ -321,20 +361,6 @@ class OptimizerProbe:
         self._parameters = None
         self._buffers.clear()
         self._writers.clear()
-
-
-def _drop_changed(pending: _Pending) -> set[int]:
-    """The gradients reduced during the step that changed meanwhile, their values dropped.
-
-    The caller has waited for their reductions.
-    """
-    changed = changed_gradients(pending.versions)
-    pending.versions = []
-    for key in changed:
-        measurement = pending.gradients.get(key)
-        if measurement is not None:
-            measurement.modified()
-    return changed
 
 
 class _Once:

@@ -45,7 +45,7 @@ from torchinstruments_core._step_records import StepScalars, StepTensor, Unavail
 from torchinstruments_core._torch_private import version
 
 if TYPE_CHECKING:
-    from collections.abc import Collection, Iterator, Mapping, Sequence
+    from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
     import numpy as np
     from numpy.typing import NDArray
@@ -138,21 +138,23 @@ _READING_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 """torch's optimizers whose step reads ``.grad`` without writing into it, unless fused or
 differentiable (SGD: without Nesterov momentum). Their ``maximize`` and weight decay work on
 new tensors (``_foreach_neg``, ``_foreach_add``); SGD's ``foreach`` Nesterov step adds its
-momentum into ``.grad``, a fused step may unscale into it, a differentiable one adds its weight
-decay into it."""
+momentum into ``.grad``, a fused step may unscale into it, a differentiable one (or one whose
+weight decay is a tensor with a gradient) adds its weight decay into it."""
 
 
 def leaves_gradients(optimizer: torch.optim.Optimizer, gradients: Sequence[StepTensor]) -> bool:
     """Whether ``gradients`` may be reduced while ``optimizer`` steps, instead of before.
 
     That is: the optimizer is one of torch's that only read their gradients (exactly that
-    class, not a subclass, which may change them), in no group fused or differentiable, SGD
-    without Nesterov momentum; no loss scale is divided out (``loss_scale``); and an in-place
-    change of any of the gradients would move its version (``shareable``: plain tensors, no
-    process group up), so that ``changed_gradients`` can tell one the step made after all (a
-    step pre-hook registered after the observer's that scales them, a future torch). The
-    reductions then run on the kernels' queue while the optimizer updates the parameters; on a
-    2.9 M-parameter MLP the pre-hook waited about 1.3 ms for them on two cores.
+    class, not a subclass, which may change them), in no group fused or differentiable or with
+    a hyperparameter that requires a gradient, SGD without Nesterov momentum; no loss scale is
+    divided out (``loss_scale``); and a torch in-place operation on any of the gradients would
+    move its version (``shareable``: plain tensors, no process group up), so that
+    ``changed_gradients`` can tell one the step made after all (a future torch). The caller
+    also makes sure no other step hook runs between its own two (``OptimizerProbe``): a hook's
+    write through ``.data`` would move no version. The reductions then run on the kernels'
+    queue while the optimizer updates the parameters; on a 2.9 M-parameter MLP the pre-hook
+    waited about 1.3 ms for them on two cores.
     """
     if type(optimizer) not in _READING_OPTIMIZERS or not gradients:
         return False
@@ -161,15 +163,17 @@ def leaves_gradients(optimizer: torch.optim.Optimizer, gradients: Sequence[StepT
             return False
         if type(optimizer) is torch.optim.SGD and group.get("nesterov"):
             return False
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in group.values()):
+            return False  # a hyperparameter with a gradient: SGD adds its decay into ``.grad``
     if loss_scale(optimizer) is not None:
         return False
     groups = process_groups_up()
     return all(shareable(item.tensor, groups=groups) for item in gradients)
 
 
-def gradient_versions(gradients: Sequence[StepTensor]) -> list[tuple[torch.Tensor, int]]:
+def gradient_versions(gradients: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
     """Each gradient with its version now, for ``changed_gradients`` after the step."""
-    return [(item.tensor, version(item.tensor)) for item in gradients]
+    return [(gradient, version(gradient)) for gradient in gradients]
 
 
 def changed_gradients(versions: Sequence[tuple[torch.Tensor, int]]) -> set[int]:
@@ -242,15 +246,25 @@ def before_step(
     return tensors, copies
 
 
+def model_gradients(
+    optimizer: torch.optim.Optimizer, parameters: ParameterMap
+) -> list[torch.Tensor]:
+    """The ``.grad`` of each of the model's parameters that ``optimizer`` steps, as they are."""
+    return [
+        parameter.grad
+        for parameter in stepped(optimizer)
+        if parameter.grad is not None and parameters.in_model(parameter)
+    ]
+
+
 def model_gradient(
-    optimizer: torch.optim.Optimizer,
-    parameters: ParameterMap,
+    gradients: Sequence[torch.Tensor],
     signals: frozenset[Signal],
     scale: torch.Tensor | None,
     measured: Mapping[int, Measurement],
     changed: Collection[int] = (),
 ) -> StepScalars | UnavailableRow | None:
-    """The whole-model gradient row, over every gradient of the model's parameters.
+    """The whole-model gradient row, over ``gradients`` (``model_gradients``).
 
     Made once the observed gradients' reductions have run: one that the kernels' queue reduced
     (``measured``, by the id of the ``.grad`` tensor, without a loss scale) gives its sum of
@@ -261,24 +275,19 @@ def model_gradient(
     """
     if Signal.PARAMETER_GRADIENT not in signals:
         return None
-    gradients: list[torch.Tensor] = []
-    summaries: list[NDArray[np.float64] | None] = []
-    for parameter in stepped(optimizer):
-        gradient = parameter.grad
-        if gradient is None or not parameters.in_model(parameter):
-            continue
-        plain = plain_tensor(gradient)
-        if isinstance(plain, torch.Tensor):
-            gradients.append(plain)
-            measurement = measured.get(id(gradient)) if scale is None else None
-            summaries.append(None if measurement is None else measurement.summary)
-    if not gradients:
-        return None
     if any(id(gradient) in changed for gradient in gradients):
         reason = UnavailableReason.MODIFIED_IN_PLACE
         signal = Signal.PARAMETER_GRADIENT
         return UnavailableRow(MODEL_LAYER, signal, ALL_PARAMETERS, GRADIENT_METRICS, reason)
-    return whole_gradient(gradients, scale, summaries)
+    plains: list[torch.Tensor] = []
+    summaries: list[NDArray[np.float64] | None] = []
+    for gradient in gradients:
+        plain = plain_tensor(gradient)
+        if isinstance(plain, torch.Tensor):
+            plains.append(plain)
+            measurement = measured.get(id(gradient)) if scale is None else None
+            summaries.append(None if measurement is None else measurement.summary)
+    return whole_gradient(plains, scale, summaries) if plains else None
 
 
 def _parameter_tensor(
