@@ -405,7 +405,7 @@ def test_a_sample_of_host_floats_and_tensors_builds_the_rows_of_tensors_alone(
         torch.tensor([1.0, math.nan, 3.0]),
         torch.tensor([1.0, math.inf]),
         torch.full((10,), 1e30),  # squares that need scaling
-        torch.full((10,), 1e-30),
+        torch.full((10,), 1e-150, dtype=torch.float64),  # squares below float64's normals
     ],
 )
 def test_the_fused_path_leaves_odd_tensors_to_the_reducers(tensor: torch.Tensor) -> None:
@@ -418,6 +418,33 @@ def test_the_fused_path_leaves_odd_tensors_to_the_reducers(tensor: torch.Tensor)
     assert measured.reason is None
     expected = MomentsReducer().reduce(PreparedTensor(tensor, torch.Generator()))
     assert _listed(measured.results[0].values) == expected.tolist()
+
+
+@pytest.mark.parametrize("magnitude", [1e-20, 1e-30, 1e-40])
+def test_tiny_float32_entries_take_the_fused_path_with_the_reducers_values(
+    magnitude: float,
+) -> None:
+    """Entries whose squares underflow float32 take the fused path, with the reducers' values.
+
+    Adam's second moment of a bias before a BatchNorm, say: the kernels square and sum each
+    entry in float64, so the fused path gives their moments, the same as the reducers', and
+    accurate against float64.
+    """
+    generator = torch.Generator().manual_seed(3)
+    tensor = (torch.randn(1000, generator=generator, dtype=torch.float64) + 0.5) * magnitude
+    tensor = tensor.float()
+    fusion = FusedReductions.plan(default_reducers(), HistogramReducer())
+    assert fusion is not None
+    fused = fusion.reduce(PreparedTensor(tensor, torch.Generator()), True)
+    assert fused is not None
+    expected = MomentsReducer().reduce(PreparedTensor(tensor, torch.Generator())).tolist()
+    assert fused.results[0] == expected
+    exact = np.asarray(tensor.tolist(), dtype=np.float64)
+    spacing = float(torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps)
+    reference = [exact.mean(), exact.std(), exact.min(), exact.max()]
+    reference += [np.sqrt(np.mean(exact**2)), np.abs(exact).max(), np.sqrt(np.sum(exact**2))]
+    found = [fused.results[0][i] for i in (0, 1, 2, 3, 6, 7, 8)]
+    np.testing.assert_allclose(found, reference, rtol=2e-6, atol=2 * spacing)
 
 
 def _listed(values: torch.Tensor | list[float] | None) -> list[float]:

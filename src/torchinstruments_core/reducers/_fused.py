@@ -166,9 +166,13 @@ class FusedReductions:
         """The values of ``profiled``, the kernels' output for ``call``, or ``None`` (``reduce``).
 
         ``prepared`` gives the tensor, for moments the kernels left to the host (squares that
-        need scaling: ``host_moment_values`` then gives ``None`` and the reducers scale them; the
-        kernels make the second pass about the mean themselves since layout 4); it is called
-        only then.
+        need scaling in the working dtype; the kernels make the second pass about the mean
+        themselves since layout 4); it is called only then. The kernels' sums are float64
+        entry by entry, so ``host_moment_values`` computes a float32 tensor's moments from them
+        however small its entries (``HostSummary.float64``: Adam's second moment of a bias
+        before a BatchNorm, about 1e-20, took the reducers' scaled path at 0.36 ms a tensor);
+        squares that still need scaling (entries near the dtype's largest, tiny float64 ones)
+        give ``None``, and the reducers scale them.
         """
         status = profiled.status
         if status != _native.STATUS_OK and status != _native.STATUS_MOMENTS_ON_HOST:
@@ -179,7 +183,7 @@ class FusedReductions:
             return Fused(*self.values(floats, call), float64)
         tensor = prepared()
         found = host_moment_values(
-            HostSummary(*profiled.summary()),
+            HostSummary(*profiled.summary(), float64=True),
             call.numel,
             tensor.values.dtype,
             lambda shift: shifted_squares(tensor, shift, CHUNK_SIZE),

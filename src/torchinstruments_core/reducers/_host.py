@@ -43,6 +43,9 @@ class HostSummary(NamedTuple):
     """The largest entry."""
     zeros: int
     """How many entries equal zero."""
+    float64: bool = False
+    """Whether each entry was squared and summed in float64 (the compiled kernels): then no
+    float32 entry's square underflows or overflows, however small or large it is."""
 
 
 _NO_RANKS = np.empty(0, dtype=np.int64)
@@ -62,7 +65,8 @@ def summarize(values: torch.Tensor) -> HostSummary | None:
         reduced = _native.reduce(values, None, 0, _NO_RANKS, 0)
         if reduced.status != _native.STATUS_OK:
             return None
-        return HostSummary(reduced.total, reduced.squares, reduced.lo, reduced.hi, reduced.zeros)
+        total, squares, lo, hi = reduced.total, reduced.squares, reduced.lo, reduced.hi
+        return HostSummary(total, squares, lo, hi, reduced.zeros, float64=True)
     return _blocked_summary(values)
 
 

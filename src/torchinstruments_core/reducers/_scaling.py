@@ -47,14 +47,21 @@ def power_of_two_scale(max_abs: torch.Tensor) -> torch.Tensor:
     return ((top - field).clamp(1, top) << layout.mantissa).view(max_abs.dtype)
 
 
-def squares_are_safe(max_abs: float, numel: int, dtype: torch.dtype) -> bool:
+def squares_are_safe(
+    max_abs: float, numel: int, dtype: torch.dtype, *, float64_sums: bool = False
+) -> bool:
     """Whether sums of squares of ``numel`` entries up to ``max_abs`` need no scaling.
 
     True when the squares of the entries that matter (within ``2**-12`` of the largest) are
     normal floats and ``4 * numel * max_abs**2`` (deviations from a mean are at most twice the
     largest entry) stays below the dtype's maximum; an all-zero tensor needs no scaling either.
+    ``float64_sums``: each entry was squared and summed in float64 (the compiled kernels): a
+    float32 entry however small then has a normal square, and only the upper bound holds
+    (results past it must round to float32 as the scaled path rounds them).
     """
     info = torch.finfo(dtype)
     low = math.sqrt(info.smallest_normal / info.eps)
     high = math.sqrt(info.max / (4 * numel))
-    return max_abs == 0.0 or low <= max_abs < high
+    if max_abs == 0.0 or low <= max_abs < high:
+        return True
+    return float64_sums and dtype == torch.float32 and max_abs < low

@@ -117,8 +117,10 @@ def host_moment_values(
     """``moments``' nine values from a CPU tensor's one-pass summary, as Python floats.
 
     ``None`` where the entries are so large or so small that their squares need scaling
-    (``_scaling.squares_are_safe``). ``shifted_squares(shift)`` is the sum of the squared
-    entries minus ``shift`` (a second pass, for a mean large against the spread).
+    (``_scaling.squares_are_safe``); where the kernels squared and summed each entry in
+    float64 (``HostSummary.float64``), a float32 tensor's tiny entries need none.
+    ``shifted_squares(shift)`` is the sum of the squared entries minus ``shift`` (a second
+    pass, for a mean large against the spread).
 
     Args:
         summary: The tensor's ``HostSummary``.
@@ -128,7 +130,7 @@ def host_moment_values(
     """
     lo, hi = summary.lo, summary.hi
     max_abs = max(abs(lo), abs(hi))
-    if not squares_are_safe(max_abs, count, dtype):
+    if not squares_are_safe(max_abs, count, dtype, float64_sums=summary.float64):
         return None
     mean = summary.total / count
     m2 = summary.squares - summary.total * mean
