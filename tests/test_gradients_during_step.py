@@ -468,3 +468,46 @@ def test_lightning_demo_model_with_adamw_reduces_gradients_during_its_step(
             }
             assert found["max"] == pytest.approx(gradient.max().item(), rel=1e-6)
             assert found["min"] == pytest.approx(gradient.min().item(), rel=1e-6)
+
+
+def test_accelerate_s_prepared_adamw_reduces_gradients_during_its_step(
+    wait_sites: list[str], tmp_path: pathlib.Path
+) -> None:
+    """Accelerate's prepared AdamW: its gradients are reduced during the step.
+
+    ``Accelerator.prepare``'s optimizer wrapper adds no hook of its own between the observer's;
+    the rows (in the run directory's history) are those of the gradients
+    ``accelerator.backward`` left.
+    """
+    import polars as pl
+    from accelerate import Accelerator
+
+    from torchinstruments_accelerate import TelemetryTracker
+
+    tracker = TelemetryTracker(every_n_steps=1, output_dir=tmp_path / "run")
+    accelerator = Accelerator(log_with=[tracker], cpu=True)
+    accelerator.init_trackers("gradients")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    tracker.watch(model, accelerator=accelerator, optimizer=optimizer)
+    handed: list[dict[str, torch.Tensor]] = []
+    for step in range(3):
+        batch = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+        accelerator.backward(model(batch).square().mean())
+        handed.append({n: p.grad.double().clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    accelerator.end_training()
+    assert wait_sites == ["_after"] * 3
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    rows = history.filter((pl.col("signal") == "parameter_gradient") & (pl.col("metric") == "max"))
+    found = {
+        (step, f"{layer}.{path}"): value
+        for step, layer, path, value in rows.select(
+            "step", "layer", "tensor_path", "value"
+        ).iter_rows()
+    }
+    for step, gradients in enumerate(handed):
+        for name, gradient in gradients.items():
+            assert found[(step, name)] == pytest.approx(gradient.max().item(), rel=1e-6)
