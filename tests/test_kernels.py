@@ -14,13 +14,16 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from torchinstruments_core._measure import Measurer
+from torchinstruments_core._native_worker import NativeWorker
 from torchinstruments_core.reducers import (
     HistogramReducer,
     MomentsReducer,
@@ -231,7 +234,9 @@ def test_kernels_built_from_other_sources_are_not_used(monkeypatch: pytest.Monke
     stale.__file__ = "/old/_kernels.abi3.so"
     monkeypatch.setitem(sys.modules, stale.__name__, stale)
     monkeypatch.setattr(reducers, "_kernels", stale, raising=False)
-    with pytest.warns(RuntimeWarning, match=r"/old/_kernels.abi3.so .*layout 1, .*needs 4"):
+    with pytest.warns(
+        RuntimeWarning, match=rf"/old/_kernels.abi3.so .*layout 1, .*needs {_compiled.LAYOUT}"
+    ):
         assert _compiled.load() is None
 
 
@@ -339,20 +344,9 @@ def test_the_fused_path_gives_the_reducers_values_bit_for_bit(
             assert one.histogram is None
 
 
-def test_a_sample_of_host_floats_and_tensors_builds_the_rows_of_tensors_alone(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A sample mixing the kernels' host floats with tensors reads each in its place.
-
-    One sample holds a fused float32 measurement given an extra metric (a 0-d tensor, as a
-    step record's), a measurement by the reducers (tensors), and a fused float64 one. Its rows
-    and histograms equal those of the same sample built from tensors alone, and the transfer
-    is handed the tensors only: the extra metric's, the reducers' and nothing of the kernels'.
-    """
+def _count_transfers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many tensors each sample's host transfer is handed, from now on (a list it fills)."""
     from torchinstruments_core import _sample
-    from torchinstruments_core._records import HistogramRecord, Signal, StatRow
-    from torchinstruments_core._sample import Sample, Site
-    from torchinstruments_core._step_records import _add_extra
     from torchinstruments_core._transfer import HostTransfer
 
     handed: list[int] = []
@@ -363,6 +357,120 @@ def test_a_sample_of_host_floats_and_tensors_builds_the_rows_of_tensors_alone(
             super().__init__(tensors, events)
 
     monkeypatch.setattr(_sample, "HostTransfer", Transfer)
+    return handed
+
+
+def test_host_float_extras_beside_host_floats_hand_the_transfer_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step tensor's extra metrics as host floats, on a measurement of the kernels' floats.
+
+    They are appended as they are (``_add_extra``): the record's transfer is handed no tensor,
+    and the rows equal those of the same values given as 0-d tensors (stacked, transferred).
+    """
+    from torchinstruments_core._records import Signal
+    from torchinstruments_core._sample import Sample, Site
+    from torchinstruments_core._step_records import _add_extra
+
+    handed = _count_transfers(monkeypatch)
+    tensor = torch.randn(3000, generator=torch.Generator().manual_seed(4))
+    ratio = torch.tensor(1 / 3, dtype=torch.float32).item()
+
+    def rows(extra: float | torch.Tensor) -> list[tuple[str, float | None]]:
+        measurer = Measurer(default_reducers(), HistogramReducer(bins=16), background=False)
+        measurement = measurer.measure(tensor, with_histogram=False)
+        assert isinstance(measurement.n_finite, float)  # the kernels' host floats
+        _add_extra((("update_to_weight", extra), ("gradient_rms_ratio", 2.5)), measurement)
+        sample = Sample(1, 0, 0.0, None)
+        sample.add(Site("layer", 0, Signal.UPDATE, "weight"), measurement)
+        record = sample.build(sample.start_transfer(), run_id="run", rank=0)
+        return [(row.metric, row.value) for row in record.rows]
+
+    floats = rows(ratio)
+    assert handed == [0]
+    assert floats == rows(torch.tensor(ratio))
+    assert handed == [0, 1]  # the stacked tensor of the two extras
+    assert ("update_to_weight", ratio) in floats
+    assert ("gradient_rms_ratio", 2.5) in floats
+
+
+@pytest.mark.skipif(not _native.QUEUE, reason="the kernels have no queue here")
+def test_a_step_tensor_read_in_place_is_queued_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``measure(step=True, in_place=True)`` of a dense float CPU tensor queues it directly.
+
+    Neither the hand-over nor a copy: the job reads the tensor itself (one that requires a
+    gradient, detached), and its values equal those of the same tensor measured from a copy
+    (``in_place=False``) in the same sample. A strided tensor and a bfloat16 one take the
+    hand-over (which copies them), a sparse CSR one its reason as before; once the queue is
+    closed the job runs in the caller; a measurer that reduces in the hooks measures inline.
+    """
+    handed: list[int] = []
+    hand_over = Measurer._hand_over
+
+    def counted(self: Measurer, plain: torch.Tensor, *args: object, **kwargs: object) -> object:
+        handed.append(plain.numel())
+        return hand_over(self, plain, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Measurer, "_hand_over", counted)
+    measurer = Measurer(default_reducers(), HistogramReducer(bins=16), background=True)
+    generator = torch.Generator().manual_seed(6)
+    first = torch.randn(100, generator=generator)  # its job starts the queue (``submit``)
+    assert measurer.measure(first, with_histogram=False, step=True, in_place=True).settle() is None
+    submitted: list[int] = []
+    submit = NativeWorker.submit
+
+    def submitting(self: NativeWorker, nbytes: int, make: Any) -> int | None:
+        submitted.append(nbytes)
+        return submit(self, nbytes, make)
+
+    monkeypatch.setattr(NativeWorker, "submit", submitting)
+    tensor = torch.randn(20_000, generator=generator).requires_grad_()
+    direct = measurer.measure(tensor, with_histogram=True, step=True, in_place=True)
+    assert handed == submitted == []  # queued in ``submit_ready``'s one call
+    assert direct.worker is not None  # queued, not reduced here
+    copied = measurer.measure(tensor.detach(), with_histogram=True, step=True)
+    assert direct.settle() is None
+    assert copied.settle() is None
+    assert direct.reason is None
+    assert [r.values for r in direct.results] == [r.values for r in copied.results]
+    assert direct.histogram == copied.histogram
+    assert direct.summary is not None
+    for odd in (torch.randn(200, 30, generator=generator).t(), torch.randn(900).bfloat16()):
+        measurement = measurer.measure(odd, with_histogram=False, step=True, in_place=True)
+        assert measurement.settle() is None
+        assert measurement.reason is None
+    assert handed == [6000, 900]
+    with warnings.catch_warnings():  # torch's "in beta" warning
+        warnings.simplefilter("ignore", UserWarning)
+        sparse = torch.randn(4, 4, generator=generator).to_sparse_csr()  # no ``is_contiguous``
+    measured = measurer.measure(sparse, with_histogram=False, step=True, in_place=True)
+    assert measured.reason == "sparse_tensor"
+    measurer.close()  # the queue stopped: the job runs in the caller
+    closed = measurer.measure(tensor, with_histogram=True, step=True, in_place=True)
+    assert submitted[-1] == 0
+    assert closed.settle() is None
+    assert [r.values for r in closed.results] == [r.values for r in copied.results]
+    inline = Measurer(default_reducers(), HistogramReducer(bins=16), background=False)
+    measurement = inline.measure(tensor, with_histogram=True, step=True, in_place=True)
+    assert measurement.worker is None  # reduced in the call
+    assert [r.values for r in measurement.results] == [r.values for r in copied.results]
+
+
+def test_a_sample_of_host_floats_and_tensors_builds_the_rows_of_tensors_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sample mixing the kernels' host floats with tensors reads each in its place.
+
+    One sample holds a fused float32 measurement given an extra metric (a 0-d tensor, as a
+    step record's), a measurement by the reducers (tensors), and a fused float64 one. Its rows
+    and histograms equal those of the same sample built from tensors alone, and the transfer
+    is handed the tensors only: the extra metric's, the reducers' and nothing of the kernels'.
+    """
+    from torchinstruments_core._records import HistogramRecord, Signal, StatRow
+    from torchinstruments_core._sample import Sample, Site
+    from torchinstruments_core._step_records import _add_extra
+
+    handed = _count_transfers(monkeypatch)
     generator = torch.Generator().manual_seed(3)
     tensors = [
         torch.randn(3000, generator=generator),
@@ -802,6 +910,61 @@ def test_the_ratio_sum_refuses_arguments_out_of_range() -> None:
     ]:
         with pytest.raises(ValueError, match="out of range"):
             kernels.ratio_sum(pointer, pointer, 8, dtype, correction, floor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("numel", [1, 15, 16, 17, 4097, 300_001])
+def test_the_difference_is_torch_s_and_its_squares_the_float64_sum(
+    dtype: torch.dtype, numel: int
+) -> None:
+    """``difference_squares``: ``before`` becomes torch's ``after - before``, bit for bit.
+
+    The sum of the differences' squares is within 1e-12 of ``math.fsum``'s. Entries that
+    cancel (equal), subnormal differences and large ones alike; the tail after the last whole
+    block of lanes too (the odd sizes).
+    """
+    generator = torch.Generator().manual_seed(numel + 7)
+    before = torch.randn(numel, generator=generator, dtype=torch.float64).to(dtype)
+    after = before + torch.randn(numel, generator=generator, dtype=torch.float64).to(dtype) * 1e-3
+    after[::5] = before[::5]  # no change
+    before[1::11], after[1::11] = 0.0, torch.finfo(dtype).tiny / 4  # subnormal
+    after[3::13] = 1e30 if dtype == torch.float32 else 1e150
+    expected = torch.sub(after, before)
+    squares = math.fsum(float(d) ** 2 for d in expected.tolist())
+    got = _native.difference_squares(after, before)
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    assert torch.equal(before.view(bits), expected.view(bits))
+    assert got == pytest.approx(squares, rel=1e-12, abs=0.0)
+
+
+def test_the_difference_keeps_a_nan_and_an_infinity() -> None:
+    """A NaN or an infinite difference makes the sum NaN or infinite, as torch's norm."""
+    after, before = torch.ones(40), torch.zeros(40)
+    after[33] = math.nan
+    assert math.isnan(_native.difference_squares(after, before.clone()))
+    after[33] = math.inf
+    assert _native.difference_squares(after, before.clone()) == math.inf
+    after[34] = -math.inf  # -inf - 0: its square is infinite too
+    assert _native.difference_squares(after, before.clone()) == math.inf
+    before[33] = math.inf  # inf - inf: NaN
+    assert math.isnan(_native.difference_squares(after, before))
+
+
+def test_the_difference_is_formed_only_in_dense_tensors_alike() -> None:
+    """``differs_here``: both usable and contiguous, of one dtype and size; the C checks."""
+    plain = torch.randn(64)
+    assert _native.differs_here(plain, torch.randn(64))
+    assert not _native.differs_here(plain, torch.randn(64, dtype=torch.float64))
+    assert not _native.differs_here(plain, torch.randn(65))
+    assert not _native.differs_here(torch.randn(8, 8).t(), torch.randn(8, 8))
+    assert not _native.differs_here(plain.bfloat16(), torch.randn(64).bfloat16())
+    assert not _native.differs_here(torch.empty(0), torch.empty(0))  # no memory: torch's
+    kernels = _native.KERNELS
+    assert kernels is not None
+    pointer = plain.data_ptr()
+    for numel, dtype in [(-1, 0), (8, 2)]:
+        with pytest.raises(ValueError, match="out of range"):
+            kernels.difference_squares(pointer, pointer, pointer, numel, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

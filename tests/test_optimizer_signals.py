@@ -426,3 +426,68 @@ def test_the_whole_model_row_takes_each_observed_gradient_s_own_reduction(
             update = copies.after[f"0.{name}"] - before
             ratio = update.square().mean().sqrt() / before.square().mean().sqrt()
             assert rows[("0", "update", name, "update_to_weight")] == pytest.approx(ratio.item())
+
+
+def _float32_records(steps: int) -> tuple[list[SampleRecord], Reference]:
+    """``steps`` recorded AdamW steps of a seeded float32 model with a channels_last conv."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    model[0].to(memory_format=torch.channels_last)  # a strided weight: torch forms its update
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    reference = Reference(optimizer, parameter_names(model))
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+        for index in range(steps):
+            torch.manual_seed(100 + index)
+            model(torch.randn(16, 3, 8, 8)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return step_records(sink), reference
+
+
+@pytest.mark.skipif(_native.KERNELS is None, reason="the kernels are not built here")
+def test_float32_updates_formed_by_the_kernels_equal_torch_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernels form each dense CPU update and its norm in one pass: torch's rows.
+
+    A float32 model under AdamW, three recorded steps, observed twice: as it is, and with
+    ``differs_here`` answering no (torch's ``sub`` and ``norm`` for every update). The updates'
+    statistics and histograms are the same, bit for bit; ``update_to_weight`` and the whole
+    update's norm agree to float32's rounding (the kernels sum the squares in float64) and
+    match the test's float64 copies. The kernels formed every update but the channels_last
+    conv weight's (strided: torch's).
+    """
+    formed: list[int] = []
+    difference_squares = _native.difference_squares
+
+    def counted(after: torch.Tensor, before: torch.Tensor) -> float:
+        formed.append(before.numel())
+        return difference_squares(after, before)
+
+    monkeypatch.setattr(_native, "difference_squares", counted)
+    kernels, reference = _float32_records(3)
+    assert sorted(formed) == sorted([4, 144 * 5, 5] * 3)  # not the conv weight's 108
+    monkeypatch.setattr(_native, "differs_here", lambda after, before: False)
+    formed.clear()
+    torch_records, _ = _float32_records(3)
+    assert formed == []
+    for ours, theirs, copies in zip(kernels, torch_records, reference.steps, strict=True):
+        assert ours.histograms == theirs.histograms
+        mine, other = values_of(ours), values_of(theirs)
+        assert mine.keys() == other.keys()
+        for key, value in mine.items():
+            derived = key[3] == "update_to_weight" or (key[0] == MODEL and key[3] == "l2_norm")
+            if key[1] == "update" and derived:
+                assert value == pytest.approx(other[key], rel=2e-7), key
+            else:
+                assert value == other[key], key
+        for name, before in copies.before.items():
+            layer, path = split(name)
+            update = copies.after[name] - before
+            ratio = update.square().mean().sqrt() / before.square().mean().sqrt()
+            got = mine[(layer, "update", path, "update_to_weight")]
+            assert got == pytest.approx(ratio.item(), rel=1e-5)
+        updates = [copies.after[n] - copies.before[n] for n in copies.before]
+        total = torch.linalg.vector_norm(torch.cat([u.reshape(-1) for u in updates])).item()
+        assert mine[(MODEL, "update", "*", "l2_norm")] == pytest.approx(total, rel=1e-5)

@@ -39,6 +39,11 @@ def _with(value: float, count: int) -> Callable[[], torch.Tensor]:
     return make
 
 
+def _listed(values: torch.Tensor | list[float]) -> list[float]:
+    """A step row's values as floats, from a tensor or as host floats."""
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)
+
+
 CASES: dict[str, Callable[[], list[torch.Tensor]]] = {
     "float32": lambda: [_finite_with_zeros(torch.float32), torch.zeros(7)],
     "float64": lambda: [_finite_with_zeros(torch.float64), torch.ones(5, dtype=torch.float64)],
@@ -60,12 +65,12 @@ def test_whole_gradient_counts_as_torch_does(case: str) -> None:
     """
     gradients = CASES[case]()
     record = whole_gradient(gradients)
-    norm, nonfinite, zeros = record.values.tolist()
+    norm, nonfinite, zeros = _listed(record.values)
     assert record.metrics == ("l2_norm", "nonfinite_count", "zero_count")
     assert nonfinite == sum(int((~torch.isfinite(g)).sum()) for g in gradients)
     assert zeros == sum(int((g == 0).sum()) for g in gradients)
     entries = sum(g.numel() for g in gradients)
-    assert record.n_finite.item() == entries - nonfinite
+    assert float(record.n_finite) == entries - nonfinite
     # the norm in float32 at the least: a bfloat16 gradient's as its float32 copy's
     widened = [g.float() if g.dtype == torch.bfloat16 else g for g in gradients]
     holders = [torch.zeros_like(g, requires_grad=True) for g in widened]
@@ -78,8 +83,8 @@ def test_whole_gradient_counts_as_torch_does(case: str) -> None:
 def test_whole_gradient_divides_the_norm_by_a_scale_and_keeps_the_counts() -> None:
     """A loss scale still on the gradients divides the norm; the counts do not change."""
     gradients = [_finite_with_zeros(torch.float32) * 1024]
-    plain = whole_gradient([g / 1024 for g in gradients]).values.tolist()
-    scaled = whole_gradient(gradients, torch.tensor(1024.0)).values.tolist()
+    plain = _listed(whole_gradient([g / 1024 for g in gradients]).values)
+    scaled = _listed(whole_gradient(gradients, torch.tensor(1024.0)).values)
     assert scaled[0] == pytest.approx(plain[0], rel=1e-6)
     assert scaled[1:] == plain[1:] == [0.0, 8.0]
 
@@ -103,7 +108,7 @@ def test_finite_cpu_gradients_take_one_pass_of_the_kernels(monkeypatch: pytest.M
 
     monkeypatch.setattr(torch, "isfinite", counted)
     finite = CASES["float32"]() + CASES["float64"]()
-    assert whole_gradient(finite).values.tolist()[1:] == [0.0, 8.0 + 7 + 8]
+    assert _listed(whole_gradient(finite).values)[1:] == [0.0, 8.0 + 7 + 8]
     assert calls == []
     whole_gradient(CASES["nan"]())
     assert calls == [64 * 48]  # only the gradient with the NaN
@@ -126,10 +131,10 @@ def test_a_gradient_s_own_summary_gives_the_same_row_without_a_pass(
     summaries: list[NDArray[np.float64] | None] = [
         _native.profile(g.reshape(-1), None, shape).numbers for g in gradients[:3]
     ]
-    expected = whole_gradient(gradients).values.tolist()
+    expected = _listed(whole_gradient(gradients).values)
     summed = count_summed_gradients(monkeypatch)
     summaries += [None, summaries[0]]  # the bfloat16 one is summed whatever it is handed
-    assert whole_gradient(gradients, None, summaries).values.tolist() == expected
+    assert _listed(whole_gradient(gradients, None, summaries).values) == expected
     assert summed == [5, 64 * 48]
 
 
@@ -148,13 +153,16 @@ def test_summed_norm_is_the_same_from_a_summary_and_from_a_pass() -> None:
         tensor = _finite_with_zeros(dtype)
         numbers = _native.profile(tensor.reshape(-1), None, _native.profile_shape(0, None, 0))
         from_summary = summed_norm(tensor, numbers.numbers)
-        assert from_summary.dtype == dtype
-        assert from_summary.item() == summed_norm(tensor, None).item()
+        assert isinstance(from_summary, float)  # a host float, rounded to the dtype
+        assert torch.tensor(from_summary, dtype=dtype).item() == from_summary
+        assert from_summary == summed_norm(tensor, None)
         exact = math.sqrt(math.fsum(float(x) ** 2 for x in tensor.reshape(-1).tolist()))
-        assert from_summary.item() == pytest.approx(exact, rel=1e-7)
+        assert from_summary == pytest.approx(exact, rel=1e-7)
     half = _finite_with_zeros(torch.bfloat16)
-    assert summed_norm(half, None).item() == torch.linalg.vector_norm(half.float()).item()
-    assert math.isnan(summed_norm(_with(math.nan, 1)(), None).item())
+    torch_norm = summed_norm(half, None)
+    assert isinstance(torch_norm, torch.Tensor)
+    assert torch_norm.item() == torch.linalg.vector_norm(half.float()).item()
+    assert math.isnan(float(summed_norm(_with(math.nan, 1)(), None)))
 
 
 def test_finite_cpu_gradients_take_no_norm_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -215,7 +223,7 @@ def test_adam_ratio_is_the_float64_expression(case: str, amsgrad: bool) -> None:
     v_hat = (second.double() / (1 - 0.99**4)).clamp(min=1e-12)
     expected = (gradient.double().square() / v_hat).mean().sqrt().item()
     rel = 1e-2 if case == "bfloat16" else 1e-6
-    assert got.item() == pytest.approx(expected, rel=rel)
+    assert float(got) == pytest.approx(expected, rel=rel)
 
 
 def test_adam_ratio_of_dense_cpu_tensors_makes_no_temporaries(
@@ -250,4 +258,88 @@ def test_adam_ratio_of_dense_cpu_tensors_makes_no_temporaries(
     state = {"exp_avg_sq": torch.rand(1000), "step": 3}  # a NaN eps: torch's NaN, no error
     ratio = adam_ratio(torch.randn(1000), state, {"betas": (0.9, 0.999), "eps": math.nan})
     assert ratio is not None
-    assert math.isnan(ratio.item())
+    assert math.isnan(float(ratio))
+
+
+def test_rounded_is_what_a_float32_tensor_holds_without_a_warning() -> None:
+    """``rounded``: the float a 0-d float32 tensor would hold, infinite past float32's range.
+
+    Ties, subnormals, the largest finite float32 and the midpoint above it (which rounds to
+    infinity), with warnings turned into errors (numpy's cast warns on overflow); float64 and
+    non-finite values are left as they are.
+    """
+    import warnings
+
+    from torchinstruments_core._step_math import rounded
+
+    largest = float(torch.finfo(torch.float32).max)
+    midpoint = largest + 2.0**103  # half of float32's last place at its largest value
+    values = [
+        0.1, -1 / 3, 1 + 2**-24, 1 + 3 * 2**-24, 1e-40, -1e-45, 1e-46, 0.0, -0.0,
+        largest, math.nextafter(midpoint, 0.0), 1e300, -1e300,
+    ]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for value in values:
+            expected = torch.tensor(value, dtype=torch.float32).item()
+            got = rounded(value, torch.float32)
+            assert math.copysign(1.0, got) == math.copysign(1.0, expected)
+            assert got == expected, value
+        assert rounded(midpoint, torch.float32) == math.inf
+        assert rounded(-midpoint, torch.float32) == -math.inf
+        assert math.isnan(rounded(math.nan, torch.float32))
+        assert rounded(1 / 3, torch.float64) == 1 / 3
+
+
+@pytest.mark.parametrize(
+    ("update", "weight"),
+    [(3.0, 7.0), (1e-30, 3e-7), (0.0, 2.0), (2.0, 0.0), (0.0, 0.0), (math.nan, 0.0),
+     (math.inf, 1.0), (1.0, math.inf), (math.inf, math.inf), (3e38, 1e-3)],
+)  # fmt: skip
+def test_update_to_weight_of_host_floats_is_float32_s_division(
+    update: float, weight: float
+) -> None:
+    """Two host norms give the float32 quotient torch's division of two float32 norms gives.
+
+    A zero norm before the step gives infinity (NaN over a zero or NaN update), as torch's
+    does; a float beside a tensor is divided as a tensor, on the tensor's device.
+    """
+    from torchinstruments_core._step_math import update_to_weight
+
+    def as32(value: float) -> torch.Tensor:
+        return torch.tensor(value, dtype=torch.float32)
+
+    expected = (as32(update) / as32(weight)).item()
+    got = update_to_weight(as32(update).item(), as32(weight).item(), torch.float32)
+    assert isinstance(got, float)
+    assert got == expected or (math.isnan(got) and math.isnan(expected))
+    mixed = update_to_weight(as32(update), as32(weight).item(), torch.float32)
+    assert isinstance(mixed, torch.Tensor)
+    assert mixed.item() == pytest.approx(expected, nan_ok=True)
+
+
+def test_whole_update_of_host_norms_is_torch_s_norm_of_them() -> None:
+    """``whole_update``: host norms give a host row, torch's norm of the same norms in range.
+
+    Summed in float64 and rounded to float32 where every update was float32 (torch's float32
+    norm, summing in float32, would overflow past about 1e19), float64 where one was; a mix of
+    host floats and tensors goes through torch. The row counts one finite value: a
+    non-finite total reads ``non_finite_result``.
+    """
+    from torchinstruments_core._step_math import whole_update
+
+    norms = [torch.tensor(v, dtype=torch.float32).item() for v in (0.3, 1e-4, 7.25, 0.0)]
+    row = whole_update(norms, torch.float32)
+    assert isinstance(row.values, list)
+    assert row.n_finite == 1.0
+    expected = torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float32)).item()
+    assert row.values == [pytest.approx(expected, rel=1e-7)]
+    assert torch.tensor(row.values[0], dtype=torch.float32).item() == row.values[0]
+    wide = whole_update([1 / 3, 0.5], torch.float64)
+    assert wide.values == [math.sqrt(1 / 9 + 0.25)]
+    mixed = whole_update([norms[0], torch.tensor(norms[2])], torch.float32)
+    assert isinstance(mixed.values, torch.Tensor)
+    assert mixed.values.tolist() == [pytest.approx(math.hypot(norms[0], norms[2]), rel=1e-6)]
+    assert whole_update([math.inf, 1.0], torch.float32).values == [math.inf]
+    assert whole_update([2e19, 1.0], torch.float32).values == [pytest.approx(2e19, rel=1e-7)]
+    assert whole_update([3e38, 3e38], torch.float32).values == [math.inf]  # past float32

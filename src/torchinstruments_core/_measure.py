@@ -234,6 +234,10 @@ class Measurer:
         run (see ``_step_tensors``): a worker then reads it where it is, outside the workers'
         byte budget (``_hand_over``), where it is contiguous and in its working dtype.
         """
+        if in_place and step and scale is None:  # a step record's tensor read where it is
+            queued = self._queue_in_place(tensor, with_histogram)
+            if queued is not None:
+                return queued
         if (  # a small sample's plain float CPU tensor, nearly all of one: checked here, inline
             scale is None
             and (self._small or step)
@@ -278,6 +282,47 @@ class Measurer:
         return self._hand_over(
             plain, measurement, with_histogram, owned=owned, shared=shared, read=read
         )
+
+    def _queue_in_place(self, tensor: torch.Tensor, with_histogram: bool) -> Measurement | None:
+        """A step record's dense float CPU tensor queued as it is, or ``None`` (``measure``).
+
+        What ``_queue`` and ``_hand_over`` do for such a tensor read where it is, without their
+        checks, copies and budget (it holds none of it): a recorded step hands over a few
+        hundred tensors on a small transformer, each through half a dozen Python calls there.
+        ``None`` where the kernels' queue would not read the tensor itself (strided, sparse,
+        another dtype, empty, a subclass) or the measurer reduces in the hooks: ``measure``
+        goes on.
+        """
+        native, fusion = self._native, self._fused
+        if (
+            native is None
+            or fusion is None
+            or type(tensor) is not torch.Tensor
+            or tensor.dtype not in _QUEUED_DTYPES
+            or tensor.layout != torch.strided  # before ``is_contiguous``: CSR has none
+            or tensor.is_nested
+            or not tensor.is_contiguous()
+            or not _native.usable(tensor)
+        ):
+            return None
+        numel = tensor.numel()
+        if not numel or not self._in_background(tensor, None):
+            return None
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        measurement = Measurement(None, self.metrics)
+        try:  # ``measure`` never raises
+            call = fusion.call(numel, with_histogram)
+            cache = self._index_cache  # this sample's, whenever the job runs
+            seed = cpu_seed(cache, self._generator(CPU), numel, call.size) if call.drawn else None
+            job = QueuedFill(
+                self, measurement, tensor, seed, call, cache, tensor.dtype, with_histogram
+            )
+            measurement.ticket = native.submit_ready(job)
+        except Exception as error:
+            return Measurement(reducer_error_reason(error), self.metrics, errors=[error])
+        measurement.worker = native
+        return measurement
 
     def _queue(
         self,

@@ -195,6 +195,24 @@ class NativeWorker:
                 raise
             return self._track(ticket, nbytes, job)
 
+    def submit_ready(self, job: ProfileJob) -> int | None:
+        """``submit`` of a ``job`` that holds its values already and none of the budget.
+
+        A step record's tensor read where it is (``Measurer.measure``'s ``in_place``): queued
+        in this one call where the queue is up, as ``submit_copy`` queues its copy; anything
+        else (the first job, after ``close``, a child made by ``fork``) goes through
+        ``submit``, with the same result.
+
+        Returns:
+            As ``submit``: the job's ticket, or ``None`` when it ran here.
+        """
+        queue = self._queue
+        if queue is not None and _background._current_pid == self._pid:
+            with self._lock:
+                if not self._closed:
+                    return self._track(job.start(queue), 0, job)
+        return self.submit(0, lambda: job)
+
     def submit_copy(self, plain: torch.Tensor, dtype: torch.dtype, job: ProfileJob) -> int | None:
         """``submit`` of ``job`` on a flat copy of ``plain`` in ``dtype``, in a buffer of ours.
 

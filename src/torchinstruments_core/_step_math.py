@@ -3,7 +3,13 @@
 Whole-model norms and counts, the update-to-weight ratio and Adam's gradient-to-second-moment
 ratio are computed on the tensors' devices and stay there until the step record crosses to the
 host with everything else. Only CPU tensors are summed and counted on the host, where reading
-them waits for nothing: gradients (``_norms_and_counts``) and Adam's ratio (``ratio_sum``).
+them waits for nothing: gradients (``_norms_and_counts``), parameters before the step
+(``summed_norm``), updates (``_native.difference_squares``) and Adam's ratio (``ratio_sum``).
+Those give host floats, from float64 sums rounded to the tensors' working dtype (where torch's
+float32 norm sums in float32, a norm below about 1e-19 or above about 1e19 underflows to 0 or
+overflows to infinity there, and not here), and what is computed from host floats alone stays
+one (``update_to_weight``, ``whole_update``): a torch scalar costs a few microseconds to make
+and as many to stack into its row, per tensor.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from torchinstruments_core._signals import ALL_PARAMETERS, MODEL_LAYER, Signal
@@ -21,7 +28,6 @@ from torchinstruments_core.reducers._host import summarize
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    import numpy as np
     from numpy.typing import NDArray
 
     from torchinstruments_core.reducers._host import HostSummary
@@ -45,13 +51,37 @@ def norm(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     return result
 
 
-def summed_norm(tensor: torch.Tensor, summary: NDArray[np.float64] | None) -> torch.Tensor:
-    """The l2 norm of ``tensor``, in its working dtype, on its device.
+_FLOAT32_INFINITE = 3.4028235677973366e38
+"""The smallest float64 that rounds to float32's infinity: float32's largest finite value plus
+half its last place (that value's last bit is odd, so the tie goes up)."""
+
+
+def rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (float32; float64 leaves it), as a host float.
+
+    What a 0-d torch tensor of ``dtype`` would hold, without making one: numpy's conversion
+    rounds to nearest, and a value past float32's range is infinite (without numpy's overflow
+    warning, which a program that turns warnings into errors would raise).
+    """
+    if dtype != torch.float32 or not math.isfinite(value):
+        return value
+    if abs(value) >= _FLOAT32_INFINITE:
+        return math.copysign(math.inf, value)
+    return float(np.float32(value))
+
+
+def host_norm(squares: float, dtype: torch.dtype) -> float:
+    """The l2 norm from a float64 sum of squares, rounded to the working ``dtype``."""
+    return rounded(math.sqrt(squares), dtype)
+
+
+def summed_norm(tensor: torch.Tensor, summary: NDArray[np.float64] | None) -> torch.Tensor | float:
+    """The l2 norm of ``tensor``, in its working dtype: a host float, or a tensor on its device.
 
     A finite float32 or float64 CPU tensor's is the square root of the kernels' float64 sum of
-    squares: from ``summary`` (its own reduction's, ``Measurement.summary``) without a pass, or
-    from one pass of theirs (``_host.summarize``), so that both ways give the same value. Any
-    other tensor's is torch's (``norm``).
+    squares, a host float: from ``summary`` (its own reduction's, ``Measurement.summary``)
+    without a pass, or from one pass of theirs (``_host.summarize``), so that both ways give the
+    same value. Any other tensor's is torch's (``norm``).
     """
     if summary is not None and tensor.is_cpu and tensor.dtype in _SUMMED:
         squares = float(summary[1])
@@ -60,7 +90,7 @@ def summed_norm(tensor: torch.Tensor, summary: NDArray[np.float64] | None) -> to
         if found is None:
             return norm(tensor)
         squares = found.squares
-    return torch.tensor(math.sqrt(squares), dtype=working_dtype(tensor.dtype))
+    return host_norm(squares, working_dtype(tensor.dtype))
 
 
 def _gathered(values: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -166,23 +196,40 @@ def _total(counts: list[torch.Tensor], host: int, device: torch.device) -> torch
     return _gathered(counts, device).sum() + host
 
 
-def whole_update(norms: Sequence[torch.Tensor]) -> StepScalars:
-    """The whole-model ``update`` row: the l2 norm of the per-parameter update norms."""
-    device = norms[0].device
-    total = torch.linalg.vector_norm(_gathered(norms, device)).reshape(1)
-    # a non-finite total comes from non-finite updates: the row reads non_finite_result
-    counted = torch.ones((), dtype=total.dtype, device=device)
-    return StepScalars(MODEL_LAYER, Signal.UPDATE, ALL_PARAMETERS, ("l2_norm",), total, counted)
+def whole_update(norms: Sequence[torch.Tensor | float], dtype: torch.dtype) -> StepScalars:
+    """The whole-model ``update`` row: the l2 norm of the per-parameter update norms.
+
+    ``dtype``: the widest working dtype of the updates, the total's. Host floats alone (the
+    kernels formed every update, ``_native.difference_squares``) give a host float, summed in
+    float64 and rounded to ``dtype``; otherwise torch's norm of them all, on the first tensor's
+    device. A non-finite total comes from non-finite updates: the row reads
+    ``non_finite_result``.
+    """
+    metrics = ("l2_norm",)
+    if all(isinstance(value, float) for value in norms):
+        # squared and summed in float64 without scaling, as torch's float64 norm
+        total = rounded(math.sqrt(sum(value * value for value in norms)), dtype)
+        return StepScalars(MODEL_LAYER, Signal.UPDATE, ALL_PARAMETERS, metrics, [total], 1.0)
+    device = next(value.device for value in norms if isinstance(value, torch.Tensor))
+    tensors = [
+        value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=dtype)
+        for value in norms
+    ]
+    total_tensor = torch.linalg.vector_norm(_gathered(tensors, device)).reshape(1)
+    counted = torch.ones((), dtype=total_tensor.dtype, device=device)
+    return StepScalars(MODEL_LAYER, Signal.UPDATE, ALL_PARAMETERS, metrics, total_tensor, counted)
 
 
 def adam_ratio(
     gradient: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
-) -> torch.Tensor | None:
+) -> torch.Tensor | float | None:
     """rms(g / sqrt(v_hat)) of an Adam-family parameter after its step, as StableAdamW tracks it.
 
     ``v_hat`` is the bias-corrected second moment the step divided by (``max_exp_avg_sq`` under
-    ``amsgrad``), floored at ``eps**2`` as StableAdamW does. ``None`` when the optimizer holds no
-    ``exp_avg_sq``, ``step`` and ``betas`` for the parameter.
+    ``amsgrad``), floored at ``eps**2`` as StableAdamW does. A host float (rounded to the
+    working dtype) where the kernels sum it (``_summed_on_host``), else a tensor on the
+    tensors' device. ``None`` when the optimizer holds no ``exp_avg_sq``, ``step`` and
+    ``betas`` for the parameter.
     """
     second = state.get("max_exp_avg_sq") if group.get("amsgrad") else state.get("exp_avg_sq")
     step, betas = state.get("step"), group.get("betas")
@@ -199,7 +246,7 @@ def adam_ratio(
     eps = float(group.get("eps", 1e-8))
     if _summed_on_host(gradient, second, correction, eps * eps):
         total = _native.ratio_sum(gradient, second, float(correction), eps * eps)
-        return torch.tensor(math.sqrt(total / max(gradient.numel(), 1)), dtype=dtype)
+        return rounded(math.sqrt(total / max(gradient.numel(), 1)), dtype)
     v_hat = (second.to(dtype) / correction).clamp_(min=eps * eps)  # in place: a new tensor
     return gradient.to(dtype).square().div_(v_hat).mean().sqrt()
 
@@ -229,6 +276,25 @@ def _summed_on_host(
     )
 
 
-def update_to_weight(update_norm: torch.Tensor, weight_norm: torch.Tensor) -> torch.Tensor:
-    """rms(update) / rms(parameter before the step): the ratio of the two l2 norms."""
+def update_to_weight(
+    update_norm: torch.Tensor | float, weight_norm: torch.Tensor | float, dtype: torch.dtype
+) -> torch.Tensor | float:
+    """rms(update) / rms(parameter before the step): the ratio of the two l2 norms.
+
+    Two host floats give a host float, the quotient rounded to the working ``dtype`` (float32's
+    division of the same two values gives the same: float64 holds more than twice its digits),
+    a zero norm before the step as torch's division gives it (infinite, or NaN over a zero
+    update). Otherwise a tensor, where the tensor norm is.
+    """
+    if isinstance(update_norm, float) and isinstance(weight_norm, float):
+        if weight_norm == 0.0:
+            quotient = math.nan if update_norm == 0.0 or math.isnan(update_norm) else math.inf
+        else:
+            quotient = update_norm / weight_norm
+        return rounded(quotient, dtype)
+    if not isinstance(update_norm, torch.Tensor):
+        assert isinstance(weight_norm, torch.Tensor)
+        update_norm = torch.tensor(update_norm, dtype=dtype, device=weight_norm.device)
+    elif not isinstance(weight_norm, torch.Tensor):
+        weight_norm = torch.tensor(weight_norm, dtype=dtype, device=update_norm.device)
     return update_norm / weight_norm

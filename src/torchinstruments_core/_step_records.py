@@ -44,8 +44,9 @@ class StepTensor:
         name: The parameter's name within its module (``weight``): the row's ``tensor_path``.
         tensor: The tensor, on any device; it is only read.
         histogram: Also compute its histogram.
-        extra_metrics: Further metrics of the tensor, each a device scalar computed by the
-            caller (``update_to_weight`` on an update), as ``(metric, value)`` pairs.
+        extra_metrics: Further metrics of the tensor, computed by the caller
+            (``update_to_weight`` on an update), as ``(metric, value)`` pairs: each a device
+            scalar, or a host float where the kernels summed it on the CPU (``_step_math``).
         scale: Measure the tensor divided by this (a loss scale), on its device.
         in_place: Nothing changes the tensor until its reduction has run, so it is reduced
             where it is, without a copy (``Measurer.measure``): an update, the optimizer's
@@ -64,7 +65,7 @@ class StepTensor:
     name: str
     tensor: torch.Tensor
     histogram: bool = False
-    extra_metrics: tuple[tuple[str, torch.Tensor], ...] = ()
+    extra_metrics: tuple[tuple[str, torch.Tensor | float], ...] = ()
     scale: torch.Tensor | None = None
     in_place: bool = False
 
@@ -83,18 +84,19 @@ class StepScalars:
         signal: A signal of kind ``RecordKind.STEP``.
         name: The row's ``tensor_path`` (``ALL_PARAMETERS``).
         metrics: The metric names, one per entry of ``values``.
-        values: A 1-D device tensor of the values, in the order of ``metrics``.
-        n_finite: How many finite entries the values describe (a device scalar): a non-finite
-            value of a set without finite entries reads ``no_finite_values``, else
-            ``non_finite_result``.
+        values: The values, in the order of ``metrics``: a 1-D device tensor, or host floats
+            (computed from the kernels' host sums alone, ``_step_math.whole_update``).
+        n_finite: How many finite entries the values describe (a device scalar, or a host
+            float beside host values): a non-finite value of a set without finite entries reads
+            ``no_finite_values``, else ``non_finite_result``.
     """
 
     layer: str
     signal: Signal
     name: str
     metrics: tuple[str, ...]
-    values: torch.Tensor
-    n_finite: torch.Tensor
+    values: torch.Tensor | list[float]
+    n_finite: torch.Tensor | float
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,13 +217,27 @@ class StepRecorder:
 
 
 def _scalars(item: StepScalars) -> Measurement:
+    if not isinstance(item.values, torch.Tensor):  # host floats: nothing to transfer
+        result = ReducerResult(item.metrics, list(item.values))
+        n_finite = item.n_finite
+        finite = float(n_finite.item()) if isinstance(n_finite, torch.Tensor) else float(n_finite)
+        return Measurement(None, item.metrics, n_finite=finite, results=[result])
     values = item.values.detach().reshape(-1)
     result = ReducerResult(item.metrics, values)
-    return Measurement(None, item.metrics, n_finite=item.n_finite.detach(), results=[result])
+    counted = item.n_finite
+    if not isinstance(counted, torch.Tensor):
+        counted = torch.tensor(counted, dtype=values.dtype, device=values.device)
+    return Measurement(None, item.metrics, n_finite=counted.detach(), results=[result])
 
 
-def _add_extra(extra: tuple[tuple[str, torch.Tensor], ...], measurement: Measurement) -> None:
-    """Append ``extra``'s values to a complete measurement that has values."""
+def _add_extra(
+    extra: tuple[tuple[str, torch.Tensor | float], ...], measurement: Measurement
+) -> None:
+    """Append ``extra``'s values to a complete measurement that has values.
+
+    Host floats beside a measurement of host floats (the kernels reduced it on the CPU) are
+    appended as they are; otherwise each value becomes a scalar on the measurement's device.
+    """
     if measurement.reason is not None:
         return
     names = tuple(name for name, _ in extra)
@@ -229,8 +245,21 @@ def _add_extra(extra: tuple[tuple[str, torch.Tensor], ...], measurement: Measure
     if isinstance(n_finite, torch.Tensor):
         device = n_finite.device
     elif n_finite is not None:  # host floats: the compiled kernels reduced it on the CPU
+        if all(isinstance(value, float) for _, value in extra):
+            measurement.results.append(ReducerResult(names, [float(v) for _, v in extra]))
+            measurement.metrics = (*measurement.metrics, *names)
+            return
         device = torch.device("cpu")
     dtype = torch.float32 if device is not None and device.type == "mps" else torch.float64
-    values = torch.stack([value.detach().reshape(()).to(device, dtype) for _, value in extra])
+    values = torch.stack([_scalar(value, device, dtype) for _, value in extra])
     measurement.results.append(ReducerResult(names, values))
     measurement.metrics = (*measurement.metrics, *names)
+
+
+def _scalar(
+    value: torch.Tensor | float, device: torch.device | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """``value`` as a 0-d tensor of ``dtype`` on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(()).to(device, dtype)
+    return torch.tensor(value, dtype=dtype, device=device)

@@ -35,6 +35,7 @@ from torchinstruments_core._step_math import (
     ADAM_RATIO_METRIC,
     GRADIENT_METRICS,
     adam_ratio,
+    host_norm,
     norm,
     summed_norm,
     update_to_weight,
@@ -43,6 +44,7 @@ from torchinstruments_core._step_math import (
 )
 from torchinstruments_core._step_records import StepScalars, StepTensor, UnavailableRow
 from torchinstruments_core._torch_private import version
+from torchinstruments_core.reducers import _native, working_dtype
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
@@ -306,7 +308,7 @@ def _tensor(
     signal: Signal,
     path: str,
     tensor: torch.Tensor,
-    *extra: tuple[str, torch.Tensor],
+    *extra: tuple[str, torch.Tensor | float],
     in_place: bool = False,
 ) -> StepTensor:
     # A histogram only where a destination shows it: the loggers and the run directory's
@@ -334,19 +336,19 @@ def updates(
     parameters measured from these copies first (``measured``, by the id of the tensor
     measured): their norms before the step come from them (``_weight_norm``).
     """
-    norms: list[torch.Tensor] = []
+    norms: list[torch.Tensor | float] = []
+    widest = torch.float32
     while copies:
         copy = copies.pop(0)
         after = plain_tensor(copy.parameter)
         if not isinstance(after, torch.Tensor):
             continue
         weight_norm = _weight_norm(copy, measured)
-        # after - before into the copy's memory, one pass: an output that is exactly one of
-        # the inputs is allowed
-        update = torch.sub(after, copy.values, out=copy.values)
-        size = norm(update)
+        update, size = _difference(after, copy.values)
         norms.append(size)
-        ratio = update_to_weight(size, weight_norm)
+        dtype = working_dtype(update.dtype)
+        widest = torch.float64 if dtype == torch.float64 else widest
+        ratio = update_to_weight(size, weight_norm, dtype)
         yield _tensor(
             copy.owner,
             Signal.UPDATE,
@@ -357,10 +359,27 @@ def updates(
         )
         del copy, update
     if norms:
-        yield whole_update(norms)
+        yield whole_update(norms, widest)
 
 
-def _weight_norm(copy: PreStepCopy, measured: Mapping[int, Measurement]) -> torch.Tensor:
+def _difference(
+    after: torch.Tensor, before: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """``after - before`` formed in ``before``'s memory, and its l2 norm.
+
+    One pass of the kernels where they read both (``_native.differs_here``), the norm a host
+    float from their float64 sum of squares (``difference_squares``); elsewhere torch's ``sub``
+    (an output that is exactly one of its inputs is allowed) and ``norm``. The same update,
+    bit for bit, either way.
+    """
+    if _native.differs_here(after, before):
+        squares = _native.difference_squares(after, before)
+        return before, host_norm(squares, before.dtype)
+    update = torch.sub(after, before, out=before)
+    return update, norm(update)
+
+
+def _weight_norm(copy: PreStepCopy, measured: Mapping[int, Measurement]) -> torch.Tensor | float:
     """The norm of ``copy``'s values, the parameter before the step (``summed_norm``).
 
     Where the parameter was reduced from this copy on the kernels' queue, their sum of squares

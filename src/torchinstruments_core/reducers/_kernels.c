@@ -148,6 +148,38 @@ DEFINE_SUMMARY(summary_f64, double)
 DEFINE_RATIO(ratio_f32, float)
 DEFINE_RATIO(ratio_f64, double)
 
+/* ---- an update and its sum of squares: out = after - before, sum of out^2 in double ------- */
+
+/* One pass where torch's ``sub`` and ``linalg.vector_norm`` make two: each entry's difference is
+   rounded to T once, as torch's is (``out`` may be ``before``: each entry is read before it is
+   written), and squared and summed in double per lane, as the summary's squares are. A NaN or an
+   infinity in a difference makes the sum NaN or infinite, as it makes torch's norm. */
+#define DEFINE_DIFFERENCE(NAME, T)                                                             \
+    TI_CLONES static double NAME(const T* after, const T* before, T* out, int64_t n) {         \
+        double sums[LANES] = {0};                                                              \
+        int64_t i = 0;                                                                         \
+        T d[LANES];                                                                            \
+        for (; n - i >= LANES; i += LANES) {                                                   \
+            /* a block read whole before it is written: ``out`` may alias the inputs */        \
+            for (int j = 0; j < LANES; j++) d[j] = after[i + j] - before[i + j];               \
+            for (int j = 0; j < LANES; j++) {                                                  \
+                out[i + j] = d[j];                                                             \
+                sums[j] += (double)d[j] * (double)d[j];                                        \
+            }                                                                                  \
+        }                                                                                      \
+        double total = 0.0;                                                                    \
+        for (int j = 0; j < LANES; j++) total += sums[j];                                      \
+        for (; i < n; i++) {                                                                   \
+            T last = after[i] - before[i];                                                     \
+            out[i] = last;                                                                     \
+            total += (double)last * (double)last;                                              \
+        }                                                                                      \
+        return total;                                                                          \
+    }
+
+DEFINE_DIFFERENCE(difference_f32, float)
+DEFINE_DIFFERENCE(difference_f64, double)
+
 /* ---- the moments' second pass: squares about a shift ------------------------------------- */
 
 /* The sum of (x[i] - shift)^2 in double: where the mean is large against the spread, the first
@@ -1414,6 +1446,32 @@ static PyObject* ratio_sum(PyObject* module, PyObject* const* args, Py_ssize_t n
     return PyFloat_FromDouble(total);
 }
 
+/* difference_squares(after, before, out, n, dtype) -> float
+ *
+ * out = after - before over the ``n`` entries (three arrays of ``dtype``, dense; ``out`` may be
+ * ``before``), and the sum of out^2 in double, GIL released: an optimizer step's update formed
+ * in its parameter's copy, with the square of its l2 norm (``_step_tensors.updates``). */
+static PyObject* difference_squares(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    void *after, *before, *out;
+    int64_t n, dtype;
+    if (check_args(nargs, 5, "difference_squares") || as_pointer(args[0], &after) ||
+        as_pointer(args[1], &before) || as_pointer(args[2], &out) || as_int64(args[3], &n) ||
+        as_int64(args[4], &dtype))
+        return NULL;
+    if (n < 0 || (dtype != DTYPE_FLOAT32 && dtype != DTYPE_FLOAT64)) {
+        PyErr_SetString(PyExc_ValueError, "difference_squares: an argument is out of range");
+        return NULL;
+    }
+    double total;
+    Py_BEGIN_ALLOW_THREADS
+    total = dtype == DTYPE_FLOAT32
+                ? difference_f32((const float*)after, (const float*)before, (float*)out, n)
+                : difference_f64((const double*)after, (const double*)before, (double*)out, n);
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(total);
+}
+
 /* shifted_squares(values, n, dtype, shift) -> float
  *
  * The sum of (x - shift)^2 over the n entries at ``values`` (float32 or float64, contiguous), in
@@ -1468,6 +1526,8 @@ static PyMethodDef methods[] = {
      "Uniform positions of a subsample, from a seed."},
     {"ratio_sum", (PyCFunction)(void (*)(void))ratio_sum, METH_FASTCALL,
      "Sum of g^2 / max(v / c, floor): Adam's gradient-to-second-moment ratio, squared, times n."},
+    {"difference_squares", (PyCFunction)(void (*)(void))difference_squares, METH_FASTCALL,
+     "out = after - before, and the sum of out^2 in double: an update and its squared norm."},
     {"shifted_squares", (PyCFunction)(void (*)(void))shifted_squares, METH_FASTCALL,
      "Sum of (x - shift)^2 in double: the moments' second pass."},
     {"crc32c", (PyCFunction)(void (*)(void))crc32c_of, METH_FASTCALL,
@@ -1497,8 +1557,8 @@ static struct PyModuleDef module_definition = {
 /* The layout of the buffers the calls read and write, checked by ``_compiled.load`` (its
    ``LAYOUT``): a module built from older sources, which a failed rebuild leaves in place, would
    pass the size checks and leave new fields unwritten. 2: the histogram's edges follow it;
-   3: ratio_sum; 4: the moments' second pass in profile, shifted_squares. */
-#define KERNELS_LAYOUT 4
+   3: ratio_sum; 4: the moments' second pass in profile, shifted_squares; 5: difference_squares. */
+#define KERNELS_LAYOUT 5
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     crc_prepare();

@@ -182,6 +182,50 @@ def ratio_sum(
     return total
 
 
+def differs_here(after: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether ``difference_squares`` forms ``after - before`` into ``before``.
+
+    Both ``usable`` and contiguous, of one dtype and shape. They must not share memory either
+    (the caller's: ``before`` is a parameter's copy, ``after`` the parameter), which is not
+    checked here.
+    """
+    return (
+        after.dtype == before.dtype
+        and after.shape == before.shape
+        and after.is_contiguous()
+        and before.is_contiguous()
+        and usable(after)
+        and usable(before)
+    )
+
+
+def difference_squares(after: torch.Tensor, before: torch.Tensor) -> float:
+    """``before`` overwritten with ``after - before``; the sum of its squares, in float64.
+
+    One pass with the GIL released where torch's ``sub`` and ``linalg.vector_norm`` make two:
+    each difference is rounded to the dtype once, as torch's ``sub`` rounds it (the same
+    values, bit for bit), and its square is summed in float64 (the square root is the update's
+    l2 norm, as the kernels' summary gives a tensor's). A NaN or an infinite difference makes
+    the sum NaN or infinite.
+
+    Args:
+        after: A ``usable`` contiguous tensor.
+        before: A ``usable`` contiguous tensor of ``after``'s dtype and shape
+            (``differs_here``), whose memory ``after`` does not share, written in place.
+    """
+    assert KERNELS is not None, "difference_squares needs the compiled kernels (check usable)"
+    assert after.dtype == before.dtype, "difference_squares reads two tensors of one dtype"
+    assert after.numel() == before.numel(), "difference_squares reads two tensors of one size"
+    total: float = KERNELS.difference_squares(
+        after.data_ptr(),
+        before.data_ptr(),
+        before.data_ptr(),
+        before.numel(),
+        _DTYPES[before.dtype],
+    )
+    return total
+
+
 def shifted_squares(values: torch.Tensor, shift: float) -> float:
     """The sum of ``(x - shift)**2`` over the entries of ``values``, in float64.
 
