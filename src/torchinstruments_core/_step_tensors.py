@@ -329,8 +329,9 @@ def updates(
 ) -> Iterator[StepTensor | StepScalars]:
     """Each copied parameter's update, then the whole update's norm; frees each copy.
 
-    The update is computed into the copy's own memory (after minus before), measured where it
-    is (``StepTensor.in_place``), and the copy is let go before the next one: nothing beyond
+    The update is computed into the copy's own memory (after minus before), with its norm in
+    the same pass where the kernels read both (``_difference``), measured where it is
+    (``StepTensor.in_place``), and the copy is let go before the next one: nothing beyond
     the copies is held, each by its reduction until its values are read back (on the kernels'
     queue, when the record is delivered). The caller waits for the reductions of the
     parameters measured from these copies first (``measured``, by the id of the tensor
