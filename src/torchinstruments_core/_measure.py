@@ -297,12 +297,10 @@ class Measurer:
         if (
             native is None
             or fusion is None
-            or type(tensor) is not torch.Tensor
-            or tensor.dtype not in _QUEUED_DTYPES
-            or tensor.layout != torch.strided  # before ``is_contiguous``: CSR has none
+            or tensor.layout != torch.strided  # before the rest: CSR has no ``is_contiguous``
             or tensor.is_nested
+            or not _native.usable(tensor)  # a plain float32 or float64 CPU tensor, among others
             or not tensor.is_contiguous()
-            or not _native.usable(tensor)
         ):
             return None
         numel = tensor.numel()
