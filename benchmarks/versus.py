@@ -33,7 +33,10 @@ the first has been about twice the second.
 The harness is not quite fair to its two sides: run against ``HEAD`` with no change in the
 working tree (2026-12-04), it gave LeNet-5 +0.004x and +0.007x (difference of the medians;
 +0.003x and +0.007x the median of the differences) and the MNIST MLP -0.011x (+0.011x). A
-difference within about 0.01x is nothing.
+difference within about 0.01x is nothing. With two builds of the kernels it can lean further:
+on another guest (2026-12-06) a change to the kernels came out +0.049x to +0.086x on the MNIST
+MLP in three runs and -0.011x with the two sides swapped (``--baseline`` the revision with the
+change, the working tree without it); swap them to check a change of a few hundredths.
 """
 
 from __future__ import annotations
