@@ -103,6 +103,33 @@ def test_jobs_run_in_the_order_submitted_and_a_closed_queue_runs_them_in_the_cal
     _native.queue_wait(queue, 10**9)  # a ticket past the last waits for the last only
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="no /proc (not Linux)")
+def test_the_queue_s_thread_has_a_name_of_its_own() -> None:
+    """``top -H``, ``ps -L`` and ``/proc`` show the queue's thread as ``ti-kernel-queue``.
+
+    Not as the process's name, so that its processor time is told apart from the model's.
+    """
+
+    def names() -> list[str]:
+        found = []
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/comm") as comm:
+                    found.append(comm.read().strip())
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        return found
+
+    before = names().count("ti-kernel-queue")
+    queue = _native.new_queue()
+    queued = _queued(queue, torch.randn(1000), None, 0)  # the first job starts the thread
+    assert queued.ticket is not None
+    _native.queue_wait(queue, queued.ticket)
+    assert names().count("ti-kernel-queue") == before + 1
+    _native.queue_close(queue)
+    assert names().count("ti-kernel-queue") == before
+
+
 def _runs_within(queue: object, ticket: int | None, seconds: float = 10.0) -> bool:
     """Whether job ``ticket`` runs within ``seconds`` (a lost wake would leave it queued)."""
     assert ticket is not None

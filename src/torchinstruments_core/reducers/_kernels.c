@@ -1090,6 +1090,7 @@ static PyObject* draw(PyObject* module, PyObject* const* args, Py_ssize_t nargs)
 #define QUEUE_LINGER_NS 500000 /* 0.5 ms: several times the gap between a small sample's hooks */
 #define QUEUE_LINGER_MAX_NS 60000000000LL /* a minute: queue_new refuses more */
 #define QUEUE_POLL_NS 50000    /* 50 us asleep (and the system's timer slack, 50 us on Linux) */
+#define QUEUE_THREAD_NAME "ti-kernel-queue" /* the thread's name on Linux (15 characters) */
 
 typedef struct Job {
     struct Job* next;
@@ -1175,6 +1176,10 @@ static void linger(Queue* q) {
 
 static void* queue_main(void* argument) {
     Queue* q = (Queue*)argument;
+#ifdef __linux__
+    /* its own name in top -H, ps -L and /proc (15 characters at most), not the process's */
+    pthread_setname_np(pthread_self(), QUEUE_THREAD_NAME);
+#endif
     pthread_mutex_lock(&q->lock);
     for (;;) {
         linger(q);
