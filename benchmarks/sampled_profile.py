@@ -2,7 +2,7 @@
 
     uv run python benchmarks/sampled_profile.py [--workload small-gpt] [--steps 20]
         [--warmup 3] [--sink run-directory|recording] [--writer process|thread]
-        [--stub-reductions]
+        [--stub-reductions] [--optimizer]
 
 The engine's functions are wrapped with timers (wall clock, ``time.perf_counter``, or with
 ``--clock cpu`` the thread's CPU time, steadier on a busy machine; about a microsecond per call,
@@ -26,6 +26,14 @@ all the observer's own time there, and what the step gains beyond it is the mode
 beside the reduction worker (the caches, the memory bandwidth, the GIL). With
 ``--stub-reductions`` every reduction gives no value at once, so the hooks, hand-overs, rows and
 delivery run without the reductions they wrap.
+With ``--optimizer`` the observer is given the workload's optimizer, so that a sampled step
+also records the optimizer step signals (as the adapters' defaults do), and the optimizer's
+step hooks are timed whole (``entry: optimizer step hooks``) with their parts: the
+parameters' copies before the step, the updates formed after it, Adam's ratio, each wait for
+the kernels' queue (whose thread, not a Python one, these timers do not see) and the step
+record's close (its values read back and delivered). These nest too: ``step record:
+hand-overs`` holds the updates formed and Adam's ratio, which are computed as the tensors are
+handed over.
 The run directory's writer runs in a process of its own (the default, ``--writer process``),
 which these timers do not see: what is left of it here is pickling each sample, inside
 ``deliver``. With ``--writer thread`` it runs on a thread of this process, and its phases show
@@ -117,6 +125,23 @@ def _instrument() -> None:
     _timed_entry(_observer.Observer, "end_step", "entry: end_step")
 
 
+def _instrument_optimizer() -> None:
+    """Time the optimizer step hooks and their parts (``--optimizer``)."""
+    from torchinstruments_core import _lifecycle, _optimizer_probe, _step_tensors
+
+    hooks = "entry: optimizer step hooks"
+    _timed_entry(_optimizer_probe.OptimizerProbe, "_pre", hooks)
+    _timed_entry(_optimizer_probe.OptimizerProbe, "_post", hooks)
+    _timed(_optimizer_probe.OptimizerProbe, "_before", "step record: before the step")
+    _timed(_optimizer_probe, "before_step", "step record: parameters copied")
+    _timed(_optimizer_probe.OptimizerProbe, "_after", "step record: after the step")
+    _timed(_step_tensors, "_difference", "step record: updates formed")
+    _timed(_step_tensors, "adam_ratio", "step record: Adam's ratio")
+    _timed(_lifecycle.SampleLifecycle, "measure_step", "step record: hand-overs")
+    _timed(_lifecycle.SampleLifecycle, "wait_for_reductions", "step record: waits for the queue")
+    _timed(_optimizer_probe.OptimizerProbe, "_close", "step record: close (read back, deliver)")
+
+
 _ENTERED = threading.local()
 
 
@@ -167,6 +192,11 @@ def main() -> None:
         "--clock", choices=sorted(_CLOCKS), default="wall", help="cpu: the thread's CPU time"
     )
     parser.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="give the observer the optimizer: the step signals are recorded too",
+    )
+    parser.add_argument(
         "--stub-reductions",
         action="store_true",
         help="every reduction gives no value at once: what is left is the observer around them",
@@ -189,6 +219,9 @@ def main() -> None:
             else {"sink": RunDirectorySink(Path(folder) / "run", writer=args.writer)}
         )
         _instrument()  # before the observer: it binds some of the methods timed (``_close``)
+        if args.optimizer:
+            _instrument_optimizer()
+            destination["optimizer"] = workload.optimizer
         observer = inject_observer(workload.model, **destination)
 
         def step(number: int, sample: bool) -> float:
@@ -212,6 +245,7 @@ def _print(
 ) -> None:
     sink = args.sink if args.sink == "recording" else f"{args.sink} (writer: {args.writer})"
     stub = ", reductions stubbed out" if args.stub_reductions else ""
+    stub += ", optimizer step signals" if args.optimizer else ""
     print(f"{WORKLOADS[args.workload].description}; {sink}{stub}, {args.steps} sampled steps\n")
     print(f"median sampled step {sampled * 1e3:.1f} ms, unsampled {unsampled * 1e3:.1f} ms")
     entries = sum(t for (thread, phase), t in phases.items() if phase.startswith("entry:"))
