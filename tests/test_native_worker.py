@@ -4,7 +4,8 @@ The queue's thread runs ``profile`` without the GIL; ``NativeWorker`` keeps the 
 jobs alive, bounds their bytes, keeps spares and reads the values back in order; ``Measurer``
 sends a small sample's tensors there. Checked: the queue's values are ``profile``'s bit for bit
 (its own subsample draws included), jobs run in order and a closed queue runs them in the
-caller, the thread lingers for a next job before it sleeps (a job then needs no wake), a child
+caller, a waiter runs the jobs the thread has not started and they count in order all the same
+(concurrent submitters and waiters included), a closing record waits once for its last job, the thread lingers for a next job before it sleeps (a job then needs no wake), a child
 made by ``fork`` never touches the parent's queue, the worker's byte budget and spares, and a
 measurement by the queue equals one in the hooks, odd tensors included.
 """
@@ -101,6 +102,108 @@ def test_jobs_run_in_the_order_submitted_and_a_closed_queue_runs_them_in_the_cal
     assert _native.queue_finished(queue) == 21  # ran in the caller
     assert late.profiled().values.tolist() == queued[0].profiled().values.tolist()
     _native.queue_wait(queue, 10**9)  # a ticket past the last waits for the last only
+
+
+def _expected(values: torch.Tensor, seed: int | None, bins: int) -> list[float]:
+    """``profile``'s values of ``values`` in the caller, as ``_queued`` asks the queue."""
+    call = _call(values.numel(), 8192 if seed is not None else 0, bins)
+    index = None if seed is None else _native.draw_positions(seed, values.numel(), call.size)
+    result: list[float] = _native.profile(values, index, call.shape).values.tolist()
+    return result
+
+
+def test_a_waiter_runs_the_jobs_the_thread_has_not_started() -> None:
+    """``queue_wait`` runs queued jobs up to its ticket itself, with the same values.
+
+    The first job (16 M entries, a histogram: tens of milliseconds) keeps the queue's thread
+    busy while the waiter arrives, so the small jobs behind it are the waiter's to run
+    (``queue_helped``); every job's values are ``profile``'s bit for bit, and all are counted.
+    """
+    big = torch.randn(16_000_000, generator=torch.Generator().manual_seed(1))
+    small = [torch.randn(30_000, generator=torch.Generator().manual_seed(n)) for n in range(30)]
+    for _ in range(3):  # a host that stalls the waiter for the big job's whole time: again
+        queue = _native.new_queue()
+        jobs = [_queued(queue, big, 99, 64)]
+        jobs += [_queued(queue, values, n, 16) for n, values in enumerate(small)]
+        last = jobs[-1].ticket
+        assert last == 31
+        _native.queue_wait(queue, last)
+        helped = _native.queue_helped(queue)
+        assert _native.queue_finished(queue) == 31
+        assert jobs[0].profiled().values.tolist() == _expected(big, 99, 64)
+        for n, (job, values) in enumerate(zip(jobs[1:], small, strict=True)):
+            assert job.profiled().status == _native.STATUS_OK
+            assert job.profiled().values.tolist() == _expected(values, n, 16)
+        _native.queue_close(queue)
+        if helped:
+            break
+    assert 1 <= helped <= 31
+
+
+def test_jobs_a_waiter_ran_are_counted_once_every_job_before_them_has_run() -> None:
+    """``queue_finished`` counts in the order submitted, whoever ran the jobs.
+
+    A waiter for job 5 that runs jobs 2 to 5 itself (``queue_helped``) while the thread still
+    runs job 1 (16 M entries and a histogram) leaves the count at 0 until job 1 has run, and it
+    then says 5, never a number between; the waiter returns only then.
+    """
+    big = torch.randn(16_000_000, generator=torch.Generator().manual_seed(2))
+    small = [torch.randn(1000, generator=torch.Generator().manual_seed(n)) for n in range(4)]
+    helped = 0
+    for _ in range(3):  # a waiter that started after job 1 ran has nothing to show: again
+        queue = _native.new_queue()
+        first = _queued(queue, big, 5, 64)
+        behind = [_queued(queue, v, None, 0) for v in small]
+        assert [j.ticket for j in behind] == [2, 3, 4, 5]
+        waiter = threading.Thread(target=_native.queue_wait, args=(queue, 5))
+        waiter.start()
+        seen = [_native.queue_finished(queue)]
+        while waiter.is_alive():
+            seen.append(_native.queue_finished(queue))
+        waiter.join()
+        seen.append(_native.queue_finished(queue))
+        helped = _native.queue_helped(queue)
+        assert seen == sorted(seen)
+        assert seen[-1] == 5
+        assert first.profiled().values.tolist() == _expected(big, 5, 64)
+        for job, values in zip(behind, small, strict=True):
+            assert job.profiled().values.tolist() == _expected(values, None, 0)
+        _native.queue_close(queue)
+        if helped == 4:
+            assert set(seen) <= {0, 5}
+            break
+    assert helped == 4
+
+
+def test_threads_that_submit_and_wait_at_once_get_every_job_s_values() -> None:
+    """Four threads submitting to one queue and waiting, each for its own jobs, concurrently.
+
+    Waiters run jobs of other threads too (those before their own); every job is run once,
+    with ``profile``'s values, and the count reaches every ticket.
+    """
+    queue = _native.new_queue()
+    tensors = [torch.randn(20_000, generator=torch.Generator().manual_seed(n)) for n in range(8)]
+    expected = [_expected(t, 3, 8) for t in tensors]
+    failures: list[str] = []
+
+    def work(offset: int) -> None:
+        for round_ in range(25):
+            mine = [(i, _queued(queue, tensors[i], 3, 8)) for i in range(offset, 8, 4)]
+            tickets = [job.ticket for _, job in mine]
+            assert all(t is not None for t in tickets)
+            _native.queue_wait(queue, max(t for t in tickets if t is not None))
+            for i, job in mine:
+                if job.profiled().values.tolist() != expected[i]:
+                    failures.append(f"thread {offset}, round {round_}, tensor {i}")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert _native.queue_finished(queue) == 4 * 25 * 2
+    _native.queue_close(queue)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="no /proc (not Linux)")
@@ -551,6 +654,61 @@ def test_a_small_model_sampled_on_the_queue_gives_the_rows_of_the_hooks() -> Non
     hooks = run(False)
     assert [s.rows for s in queued.samples] == [s.rows for s in hooks.samples]
     assert [s.histograms for s in queued.samples] == [s.histograms for s in hooks.samples]
+
+
+def test_a_closing_record_waits_for_the_queue_once_up_to_its_last_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Sample.settle`` waits once for its last job, not job by job.
+
+    One wait lets the closing thread run the jobs the queue's thread has not started
+    (``queue_wait``); a wait per job would wait for the one that thread runs, each in turn.
+    Every sample and step record of an MLP's sampled steps (its step tensors on the queue)
+    calls ``queue_wait`` at most once as it settles, for a ticket at least its last job's.
+    """
+    from torchinstruments_core import _sample
+
+    waits: list[int] = []
+    settles: list[tuple[int, int, list[int]]] = []  # (last ticket, waits before, their tickets)
+    queue_wait = _native.queue_wait
+
+    def counted(queue: object, ticket: int) -> None:
+        waits.append(ticket)
+        queue_wait(queue, ticket)
+
+    settle = _sample.Sample.settle
+
+    def watched(self: _sample.Sample) -> Exception | None:
+        tickets = [m.ticket for m in self._distinct() if m.ticket is not None and m.worker]
+        before = len(waits)
+        result = settle(self)
+        if tickets:
+            settles.append((max(tickets), before, waits[before:]))
+        return result
+
+    monkeypatch.setattr(_native, "queue_wait", counted)
+    monkeypatch.setattr(_sample.Sample, "settle", watched)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 512), nn.Linear(512, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    observed = inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        optimizer=optimizer,
+        sink=RecordingSink(),
+        background_reductions=True,
+    )
+    with observed as observer:
+        for step in range(4):
+            observer.begin_step(step, sample=True)
+            model(torch.randn(64, 64)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            observer.end_step()
+    assert settles  # the step records' tensors went to the queue
+    for last, _, tickets in settles:
+        assert len(tickets) <= 1
+        assert all(ticket >= last for ticket in tickets)
 
 
 def test_a_job_that_fails_to_be_made_leaves_nothing_held() -> None:

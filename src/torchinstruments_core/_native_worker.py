@@ -19,7 +19,10 @@ and waits for them, back to back, where the interpreter's caches are warm (read 
 hook, between the model's kernels, a job took several times as long), or at a hand-over that
 needs their room. A tensor whose values the kernels do not finish (a
 NaN or an infinity, squares that need scaling) goes through the reducers there, in Python, on
-the copy the job read.
+the copy the job read. A thread that waits for jobs (``wait``: a sample or a step record
+closing) runs those the queue's thread has not started itself, with the GIL released
+(``_native.queue_wait``), rather than sit idle beside it: a sample's closing wait waits once,
+for its last job (``Sample.settle``).
 
 Memory is bounded as on the Python worker (``_background``): the bytes of jobs handed over and
 not yet read back never pass the largest job's or ``BUDGET_FLOOR``, whichever is more; a

@@ -38,8 +38,10 @@ if TYPE_CHECKING:
 
     from torch.utils.hooks import RemovableHandle
 
+    from torchinstruments_core._background import ReductionWorker
     from torchinstruments_core._capture import GradientSlot
     from torchinstruments_core._measurement import Measurement
+    from torchinstruments_core._native_worker import NativeWorker
     from torchinstruments_core._profile import CallProfile, Stamp
 
 
@@ -229,8 +231,23 @@ class Sample:
 
         Returns the first error of what the measurements deferred (a reducer's failure
         reported as an error), for the caller to raise once the sample is queued.
+
+        Each worker is waited for once, up to the last of this sample's jobs, before any
+        measurement settles: the kernels' queue then has the waiting thread run the jobs its
+        own thread has not started (``_native.queue_wait``), where one wait per job would wait
+        for the job that thread is running, one after the other.
         """
-        errors = [measurement.settle() for measurement in self._distinct()]
+        distinct = self._distinct()
+        last: dict[int, tuple[ReductionWorker | NativeWorker, int]] = {}
+        for measurement in distinct:
+            worker, ticket = measurement.worker, measurement.ticket
+            if worker is not None and ticket is not None:
+                known = last.get(id(worker))
+                if known is None or known[1] < ticket:
+                    last[id(worker)] = (worker, ticket)
+        for worker, ticket in last.values():
+            worker.wait(ticket)
+        errors = [measurement.settle() for measurement in distinct]
         return next((error for error in errors if error is not None), None)
 
     def _distinct(self) -> list[Measurement]:

@@ -450,8 +450,21 @@ def queue_wakes(queue: object) -> int:
     return int(KERNELS.queue_wakes(queue))
 
 
+def queue_helped(queue: object) -> int:
+    """How many of ``queue``'s jobs a caller of ``queue_wait`` ran itself, not its thread."""
+    assert KERNELS is not None
+    return int(KERNELS.queue_helped(queue))
+
+
 def queue_wait(queue: object, ticket: int) -> None:
-    """Block, with the GIL released, until the job with ``ticket`` has run."""
+    """Block, with the GIL released, until the job with ``ticket`` and those before it have run.
+
+    Meanwhile the caller runs the jobs up to ``ticket`` that the queue's thread has not
+    started, in the order they were submitted (``queue_helped`` counts them), and waits only
+    for those the thread is running: on two processors a sample's close that found its last
+    jobs queued finishes them in about half the time. The values are the same whichever thread
+    ran a job.
+    """
     assert KERNELS is not None
     KERNELS.queue_wait(queue, ticket)
 
