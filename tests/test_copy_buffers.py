@@ -140,3 +140,29 @@ def test_without_a_count_every_copy_is_fresh(monkeypatch: pytest.MonkeyPatch) ->
     assert torch.equal(first, source)
     assert first.data_ptr() != second.data_ptr()
     assert buffers.kept == 0
+
+
+def test_a_lent_buffer_is_unwritten_memory_of_the_shape_and_held_while_it_lives() -> None:
+    """``lend``: a buffer of the tensor's dtype and shape, apart from it, lent like a copy.
+
+    The kernels' queue fills it (``_step_tensors.queue_copies``); while it lives it is not
+    lent again, and once let go it is. A strided or non-CPU tensor gets none.
+    """
+    buffers = CopyBuffers()
+    source = torch.randn(32, 16, dtype=torch.float64)
+    lent = buffers.lend(source)
+    assert lent is not None
+    assert lent.shape == source.shape
+    assert lent.dtype == source.dtype
+    assert lent.is_contiguous()
+    assert lent.data_ptr() != source.data_ptr()
+    address = lent.data_ptr()
+    again = buffers.lend(source)
+    assert again is not None
+    assert again.data_ptr() != address  # the first is still lent
+    del lent
+    third = buffers.lend(source)
+    assert third is not None
+    assert third.data_ptr() == address
+    assert buffers.lend(torch.randn(16, 32).t()) is None
+    assert buffers.kept == 2 * source.numel() * source.element_size()

@@ -5,13 +5,15 @@ jobs alive, bounds their bytes, keeps spares and reads the values back in order;
 sends a small sample's tensors there. Checked: the queue's values are ``profile``'s bit for bit
 (its own subsample draws included), jobs run in order and a closed queue runs them in the
 caller, a waiter runs the jobs the thread has not started and they count in order all the same
-(concurrent submitters and waiters included), a closing record waits once for its last job, the thread lingers for a next job before it sleeps (a job then needs no wake), a child
-made by ``fork`` never touches the parent's queue, the worker's byte budget and spares, and a
-measurement by the queue equals one in the hooks, odd tensors included.
+(concurrent submitters and waiters included), a closing record waits once for its last job,
+copies queued in pieces, the thread lingers for a next job before it sleeps (a job then needs
+no wake), a child made by ``fork`` never touches the parent's queue, the worker's byte budget
+and spares, and a measurement by the queue equals one in the hooks, odd tensors included.
 """
 
 from __future__ import annotations
 
+import collections
 import gc
 import math
 import multiprocessing
@@ -622,6 +624,40 @@ def test_a_shared_gradient_is_copied_for_the_queue_and_keeps_its_values() -> Non
     measurer.close()
 
 
+def _trained(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    background: bool | None,
+    inputs: list[torch.Tensor],
+    *,
+    classes: int | None = None,
+) -> RecordingSink:
+    """A step sampled for each of ``inputs``, with the optimizer's step signals; the sink.
+
+    The loss is the cross-entropy against ``arange % classes``, or the outputs' mean square.
+    """
+    sink = RecordingSink()
+    with inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        sink=sink,
+        optimizer=optimizer,
+        background_reductions=background,
+    ) as observer:
+        for step, x in enumerate(inputs):
+            observer.begin_step(step, sample=True)
+            output = model(x)
+            if classes is None:
+                output.square().mean().backward()
+            else:
+                targets = torch.arange(len(x)) % classes
+                nn.functional.cross_entropy(output, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            observer.end_step()
+    return sink
+
+
 def test_a_small_model_sampled_on_the_queue_gives_the_rows_of_the_hooks() -> None:
     """A training loop's small samples (the queue from the second on) equal reduced in hooks."""
 
@@ -630,22 +666,8 @@ def test_a_small_model_sampled_on_the_queue_gives_the_rows_of_the_hooks() -> Non
         model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(inplace=True), nn.Linear(64, 10))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         generator = torch.Generator().manual_seed(1)
-        sink = RecordingSink()
-        with inject_observer(
-            model,
-            sampler=AlwaysSampler(),
-            sink=sink,
-            optimizer=optimizer,
-            background_reductions=background_reductions,
-        ) as observer:
-            for step in range(4):
-                observer.begin_step(step, sample=True)
-                x = torch.randn(256, 32, generator=generator)
-                nn.functional.cross_entropy(model(x), torch.arange(256) % 10).backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                observer.end_step()
-        return sink
+        inputs = [torch.randn(256, 32, generator=generator) for _ in range(4)]
+        return _trained(model, optimizer, background_reductions, inputs, classes=10)
 
     with pytest.MonkeyPatch.context() as patch:
         submitted = _count_jobs(patch)
@@ -691,24 +713,110 @@ def test_a_closing_record_waits_for_the_queue_once_up_to_its_last_job(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 512), nn.Linear(512, 10))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    observed = inject_observer(
-        model,
-        sampler=AlwaysSampler(),
-        optimizer=optimizer,
-        sink=RecordingSink(),
-        background_reductions=True,
-    )
-    with observed as observer:
-        for step in range(4):
-            observer.begin_step(step, sample=True)
-            model(torch.randn(64, 64)).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            observer.end_step()
+    _trained(model, optimizer, True, [torch.randn(64, 64) for _ in range(4)])
     assert settles  # the step records' tensors went to the queue
     for last, _, tickets in settles:
         assert len(tickets) <= 1
         assert all(ticket >= last for ticket in tickets)
+
+
+@pytest.mark.parametrize("numel", [1, 262_144, 1_000_003])
+def test_a_copy_on_the_queue_is_copied_in_pieces_byte_for_byte(numel: int) -> None:
+    """``NativeWorker.copy``: ``COPY_PIECE_BYTES`` pieces, the last one shorter, all copied.
+
+    The ticket is the last piece's; waiting for it lets the tensors go. A closed worker takes
+    no copy (``None``): the caller copies.
+    """
+    worker = NativeWorker()
+    source = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    destination = torch.full_like(source, math.nan)
+    first = worker.copy(torch.ones(4), torch.zeros(4))  # the queue's first job: a tiny copy
+    assert first == 1
+    ticket = worker.copy(source, destination)
+    pieces = -(-numel * 4 // _native.COPY_PIECE_BYTES)
+    assert ticket == 1 + pieces
+    worker.wait(ticket)
+    assert torch.equal(destination, source)
+    assert worker._pending == collections.deque()  # read back: both tensors let go
+    worker.close()
+    assert worker.copy(source, destination) is None
+
+
+def test_a_thread_waiting_for_queued_copies_copies_pieces_itself() -> None:
+    """Behind a long job on the queue's thread, a waiter for the copy runs its pieces."""
+    big = torch.randn(16_000_000, generator=torch.Generator().manual_seed(3))
+    source = torch.randn(2_000_000, generator=torch.Generator().manual_seed(4))
+    helped = 0
+    for _ in range(3):  # a waiter that started after the long job ran has nothing to show
+        queue = _native.new_queue()
+        _queued(queue, big, 1, 64)
+        destination = torch.empty_like(source)
+        ticket = _native.queue_copy(queue, source, destination)
+        assert ticket == 1 + -(-source.numel() * 4 // _native.COPY_PIECE_BYTES)
+        _native.queue_wait(queue, ticket)
+        assert torch.equal(destination, source)
+        helped = _native.queue_helped(queue)
+        _native.queue_close(queue)
+        if helped:
+            break
+    assert helped >= 1
+
+
+def test_a_queued_copy_of_a_negative_size_is_refused() -> None:
+    """The kernels refuse a copy of fewer than zero bytes, before queueing anything."""
+    queue = _native.new_queue()
+    kernels = _native.KERNELS
+    assert kernels is not None
+    values = torch.zeros(4)
+    with pytest.raises(ValueError, match="negative size"):
+        kernels.queue_copy(queue, values.data_ptr(), values.data_ptr(), -1)
+    assert _native.queue_finished(queue) == 0
+    _native.queue_close(queue)
+
+
+def test_a_recorded_step_s_large_copies_go_to_the_queue_with_the_same_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Parameters of ``QUEUED_COPY_BYTES`` or more are copied on the queue before the step.
+
+    The step records' rows (parameters, updates with ``update_to_weight``, the optimizer's
+    state) equal those of the copies made in the hooks (``background_reductions=False``),
+    bit for bit, with AdamW (gradients reduced during its step) and with SGD and Nesterov
+    momentum (gradients reduced before it); the 512 x 512 weight (1 MiB) goes to the queue in
+    one-MiB pieces, the small parameters not.
+    """
+    from torchinstruments_core import _step_tensors
+
+    def run(background: bool, nesterov: bool) -> RecordingSink:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 512))
+        optimizer = (
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+            if nesterov
+            else torch.optim.AdamW(model.parameters(), lr=1e-3)
+        )
+        return _trained(model, optimizer, background, [torch.randn(32, 64) for _ in range(3)])
+
+    copied: list[int] = []
+    queue_copy = _native.queue_copy
+
+    def counted(queue: object, source: torch.Tensor, destination: torch.Tensor) -> int:
+        copied.append(source.numel())
+        return queue_copy(queue, source, destination)
+
+    assert 512 * 512 * 4 >= _step_tensors.QUEUED_COPY_BYTES > 64 * 512 * 4
+    for nesterov in (False, True):
+        copied.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_native, "queue_copy", counted)
+            queued = run(True, nesterov)
+        assert copied == [512 * 512] * 3  # one parameter, every recorded step
+        hooks = run(False, nesterov)
+        steps = [s for s in queued.samples if s.kind == "step"]
+        assert len(steps) == 3
+        assert [s.rows for s in queued.samples] == [s.rows for s in hooks.samples]
+        updates = [r for s in steps for r in s.rows if r.signal == "update"]
+        assert updates
 
 
 def test_a_job_that_fails_to_be_made_leaves_nothing_held() -> None:

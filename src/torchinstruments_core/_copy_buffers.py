@@ -67,8 +67,18 @@ class CopyBuffers:
 
     def copy(self, values: torch.Tensor) -> torch.Tensor:
         """A copy of ``values``, in a kept buffer where one is free or there is room for one."""
+        buffer = self.lend(values)
+        return values.clone() if buffer is None else buffer.copy_(values)
+
+    def lend(self, values: torch.Tensor) -> torch.Tensor | None:
+        """A kept buffer of ``values``' dtype and shape, unwritten, for a copy of them.
+
+        ``None`` where none is free and there is no room for one, for a tensor that is not a
+        contiguous CPU one, and where torch cannot count a storage's holders: the caller
+        clones instead. The buffer is lent while the returned tensor (or a view) lives.
+        """
         if not _COUNTS or values.device.type != "cpu" or not values.is_contiguous():
-            return values.clone()
+            return None
         key = (values.dtype, values.shape)
         with self._lock:
             buffer = self._free(key)
@@ -76,10 +86,7 @@ class CopyBuffers:
                 buffer = self._make(key, values.numel() * values.element_size())
             # an alias of its own, not the pool's tensor, made before the lock is let go:
             # while it lives, the count says lent
-            copy = None if buffer is None else buffer.detach()
-        if copy is None:
-            return values.clone()
-        return copy.copy_(values)
+            return None if buffer is None else buffer.detach()
 
     def clear(self) -> None:
         """Keep nothing: a buffer lent out stays with its holders until they let it go."""

@@ -178,6 +178,30 @@ class Measurer:
         if self._native is not None:
             self._native.wait()
 
+    def copy(self, source: torch.Tensor, destination: torch.Tensor) -> int | None:
+        """Queue ``destination.copy_(source)`` on the kernels' queue; the ticket to wait for.
+
+        Where CPU tensors are reduced there (``_in_background``: a free core, or
+        ``background_reductions=True``), the queue's thread and a thread waiting for the
+        ticket (``wait_for``) copy at once (``NativeWorker.copy``). ``None``: no queue takes
+        it; the caller copies.
+
+        Args:
+            source: A contiguous CPU tensor of at least one entry, unchanged until the copy has
+                run.
+            destination: A contiguous CPU tensor of ``source``'s dtype and number of entries,
+                whose memory does not overlap ``source``'s.
+        """
+        native = self._native
+        if native is None or not self._in_background(source, None):
+            return None
+        return native.copy(source, destination)
+
+    def wait_for(self, ticket: int) -> None:
+        """Block until the kernels' queue has run job ``ticket`` and those before it."""
+        if self._native is not None:
+            self._native.wait(ticket)
+
     def kick(self) -> None:
         """Start the reduction worker on what it holds: a sample's forward has ended."""
         self._worker.kick()

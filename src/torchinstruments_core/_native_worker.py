@@ -102,6 +102,30 @@ class ProfileJob:
         self._finish(queued.profiled())
 
 
+class CopyJob:
+    """A copy on the queue (``NativeWorker.copy``): holds both tensors until it has run.
+
+    Args:
+        source: What is copied.
+        destination: Where to.
+    """
+
+    __slots__ = ("_tensors", "buffer")
+
+    def __init__(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+        self._tensors: tuple[torch.Tensor, torch.Tensor] | None = (source, destination)
+        self.buffer: torch.Tensor | None = None  # none of the worker's: nothing kept as spare
+
+    @property
+    def done(self) -> bool:
+        """Whether the copy has run and been read back (its tensors let go)."""
+        return self._tensors is None
+
+    def complete(self) -> None:
+        """The copy has run: let the tensors go."""
+        self._tensors = None
+
+
 class NativeWorker:
     """Hands ``ProfileJob``s to one queue of the kernels, holding at most a budget of bytes.
 
@@ -125,7 +149,9 @@ class NativeWorker:
             raise ValueError(f"linger_ns must be between 0 and {limit}, not {linger_ns}")
         self._lock = threading.RLock()
         self._queue: object | None = None  # made at the first job
-        self._pending: collections.deque[tuple[int, int, ProfileJob]] = collections.deque()
+        self._pending: collections.deque[tuple[int, int, ProfileJob | CopyJob]] = (
+            collections.deque()
+        )
         self._held = 0  # bytes of the jobs not yet read back
         self._spares = _background.Spares()
         self._floor = _background.BUDGET_FLOOR if floor is None else floor
@@ -187,12 +213,7 @@ class NativeWorker:
             self._held += nbytes  # before the copy: ``buffer`` trims the spares to make room
             try:
                 job = make()
-                if self._queue is None:
-                    self._queue = queue = _native.new_queue(self._linger_ns)
-                    # closed (its jobs run) before the jobs' buffers can go, when this goes
-                    closer = _native.queue_closer(queue)
-                    weakref.finalize(self, _close_queue, closer, self._pid)
-                ticket = job.start(self._queue)
+                ticket = job.start(self._started())
             except BaseException:
                 self._held -= nbytes
                 raise
@@ -252,7 +273,38 @@ class NativeWorker:
 
         return self.submit(nbytes, make)
 
-    def _track(self, ticket: int | None, nbytes: int, job: ProfileJob) -> int | None:
+    def copy(self, source: torch.Tensor, destination: torch.Tensor) -> int | None:
+        """Queue ``destination.copy_(source)`` (``_native.queue_copy``); the ticket to wait for.
+
+        The queue's thread copies while the caller goes on, and a ``wait`` for the ticket has
+        the waiting thread copy the pieces no one has started. Both tensors are held until the
+        copy has run; nothing of the budget. ``None``: there is no queue to take it (after
+        ``close``, in a child made by ``fork``) and the caller copies.
+
+        Args:
+            source: A contiguous CPU tensor of at least one entry, unchanged until the copy has
+                run.
+            destination: A contiguous CPU tensor of ``source``'s dtype and number of entries,
+                whose memory does not overlap ``source``'s.
+        """
+        if _background._current_pid == self._pid:
+            with self._lock:
+                if not self._closed:
+                    ticket = _native.queue_copy(self._started(), source, destination)
+                    return self._track(ticket, 0, CopyJob(source, destination))
+        return None
+
+    def _started(self) -> object:
+        """The queue, made at the first job (lock held)."""
+        queue = self._queue
+        if queue is None:
+            self._queue = queue = _native.new_queue(self._linger_ns)
+            # closed (its jobs run) before the jobs' buffers can go, when this goes
+            closer = _native.queue_closer(queue)
+            weakref.finalize(self, _close_queue, closer, self._pid)
+        return queue
+
+    def _track(self, ticket: int | None, nbytes: int, job: ProfileJob | CopyJob) -> int | None:
         """Hold ``job`` (queued with ``ticket``) until it is read back; ``ticket``, as ``submit``.
 
         A job the queue ran in the caller (``ticket`` ``None``: it closed meanwhile, from its

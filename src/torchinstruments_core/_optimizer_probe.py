@@ -45,6 +45,7 @@ from torchinstruments_core._step_tensors import (
     model_gradient,
     model_gradients,
     optimizer_state,
+    queue_copies,
     updates,
 )
 
@@ -240,17 +241,24 @@ class OptimizerProbe:
             if during:  # reduced while the optimizer steps: checked in the post-hook
                 pending.model = model = model_gradients(optimizer, parameters)
                 pending.versions = gradient_versions([*(g.tensor for g in gradients), *model])
-            measured = {}
+            measured: dict[int, Measurement] = {}
+            ticket = None
             try:
+                # the large copies first on the queue: waiting for them runs no gradient's job
+                queued, ticket = queue_copies(
+                    optimizer, parameters, signals, self._buffers, self._lifecycle.copy_on_queue
+                )
                 measured = self._lifecycle.measure_step(record, gradients)  # reduced meanwhile
                 if during:
                     pending.gradients = measured
                 tensors, pending.copies = before_step(
-                    optimizer, parameters, signals, scale, self._buffers
+                    optimizer, parameters, signals, scale, self._buffers, queued
                 )
             finally:  # before the optimizer may change them, whatever failed meanwhile
                 if gradients and not during:
                     self._lifecycle.wait_for_reductions()
+                elif ticket is not None:
+                    self._lifecycle.wait_for_copies(ticket)
             whole = None
             if not during:
                 model = model_gradients(optimizer, parameters)

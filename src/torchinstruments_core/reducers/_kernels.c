@@ -1106,6 +1106,7 @@ typedef struct Job {
     void* values;
     int64_t ticket; /* its place in the order submitted, from 1 */
     int done;       /* it has run; it is counted (``finished``) once every job before it has */
+    int copy;       /* a copy (queue_copy): ``n`` bytes from ``data`` to ``values``, no status */
 } Job;
 
 typedef struct {
@@ -1127,6 +1128,10 @@ typedef struct {
 static const char QUEUE_NAME[] = "torchinstruments.reduction_queue";
 
 static void job_run(Job* job) {
+    if (job->copy) {
+        memcpy(job->values, job->data, (size_t)job->n);
+        return;
+    }
     int64_t* drawn = NULL;
     const void* index = job->index;
     int status;
@@ -1331,6 +1336,8 @@ static int queue_start(Queue* q) {
     return failed;
 }
 
+static int64_t enqueue(Queue* q, Job* job);
+
 /* queue_submit(queue, seed, data, n, dtype, index, m, ranks, levels, bins, numbers, values)
  *     -> ticket
  *
@@ -1366,8 +1373,14 @@ static PyObject* queue_submit(PyObject* module, PyObject* const* args, Py_ssize_
     }
     *job = (Job){NULL, a.data, a.n, a.dtype, a.m, a.count, a.nlevels, a.bins, a.index, drawn,
                  (uint64_t)seed, (const int64_t*)a.views[0].buf, (const double*)a.views[1].buf,
-                 (double*)a.views[2].buf, a.views[3].buf, 0, 0};
+                 (double*)a.views[2].buf, a.views[3].buf, 0, 0, 0};
     release_views(&a, 4); /* the caller keeps the buffers alive until the job has run */
+    return PyLong_FromLongLong(enqueue(q, job));
+}
+
+/* Queues ``job`` and returns its ticket; on a closed queue, or where no thread can start, runs
+   it here, after the jobs before it, before returning (GIL held on entry and on return). */
+static int64_t enqueue(Queue* q, Job* job) {
     int64_t ticket;
     int inline_job = 0;
     pthread_mutex_lock(&q->lock);
@@ -1398,7 +1411,35 @@ static PyObject* queue_submit(PyObject* module, PyObject* const* args, Py_ssize_
         pthread_mutex_unlock(&q->lock);
         Py_END_ALLOW_THREADS
     }
-    return PyLong_FromLongLong(ticket);
+    return ticket;
+}
+
+/* queue_copy(queue, source, destination, nbytes) -> ticket
+ *
+ * Queues a copy of ``nbytes`` bytes from the address ``source`` to ``destination`` (which do
+ * not overlap), in its turn among the profile jobs, with the tickets they have: a recorded
+ * optimizer step's parameter copies, made by the queue's thread and the training thread at
+ * once (``queue_wait``). The caller keeps both alive and unchanged until the job has run. */
+static PyObject* queue_copy(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+    (void)module;
+    void *source, *destination;
+    int64_t nbytes;
+    if (check_args(nargs, 4, "queue_copy") || as_pointer(args[1], &source) ||
+        as_pointer(args[2], &destination) || as_int64(args[3], &nbytes))
+        return NULL;
+    Queue* q = queue_of(args[0]);
+    if (q == NULL) return NULL;
+    if (nbytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "queue_copy: a negative size");
+        return NULL;
+    }
+    Job* job = (Job*)calloc(1, sizeof(Job));
+    if (job == NULL) return PyErr_NoMemory();
+    job->copy = 1;
+    job->data = source;
+    job->values = destination;
+    job->n = nbytes;
+    return PyLong_FromLongLong(enqueue(q, job));
 }
 
 enum { COUNT_FINISHED, COUNT_WAKES, COUNT_HELPED };
@@ -1595,6 +1636,8 @@ static PyMethodDef methods[] = {
      "An empty reduction queue, whose thread runs profile's jobs without the GIL."},
     {"queue_submit", (PyCFunction)(void (*)(void))queue_submit, METH_FASTCALL,
      "Queue profile's work on one tensor; returns the job's ticket."},
+    {"queue_copy", (PyCFunction)(void (*)(void))queue_copy, METH_FASTCALL,
+     "Queue a copy of some bytes; returns the job's ticket."},
     {"queue_finished", (PyCFunction)(void (*)(void))queue_finished, METH_FASTCALL,
      "How many of the queue's jobs have run."},
     {"queue_helped", (PyCFunction)(void (*)(void))queue_helped, METH_FASTCALL,

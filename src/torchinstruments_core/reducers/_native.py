@@ -438,6 +438,40 @@ def submit_profile(
     return Queued(None, numbers, out, values, shape.plan)
 
 
+COPY_PIECE_BYTES = 1 << 20
+"""The bytes of each job ``queue_copy`` queues: a large tensor's copy in pieces, so that the
+queue's thread and a waiter share it (``queue_wait``)."""
+
+
+def queue_copy(queue: object, source: torch.Tensor, destination: torch.Tensor) -> int:
+    """Queue ``destination.copy_(source)`` as jobs of ``queue``'s; the last one's ticket.
+
+    Byte copies of ``COPY_PIECE_BYTES`` or less, in their turn among the profile jobs, run by
+    the queue's thread or by a caller of ``queue_wait``: two processors copy at once. The
+    caller keeps both tensors alive, and ``source`` unchanged, until the last job has run.
+
+    Args:
+        queue: A reduction queue (``new_queue``).
+        source: A contiguous CPU tensor of at least one entry.
+        destination: A contiguous CPU tensor of ``source``'s dtype and number of entries,
+            whose memory does not overlap ``source``'s.
+    """
+    assert KERNELS is not None, "queue_copy needs the kernels' queue (check QUEUE)"
+    assert source.device.type == destination.device.type == "cpu"
+    assert source.is_contiguous(), "queue_copy reads a contiguous tensor"
+    assert destination.is_contiguous(), "queue_copy writes a contiguous tensor"
+    assert source.dtype == destination.dtype, "queue_copy copies within one dtype"
+    assert source.numel() == destination.numel() > 0, "queue_copy copies the same entries"
+    nbytes = source.numel() * source.element_size()
+    read, write = source.data_ptr(), destination.data_ptr()
+    assert read + nbytes <= write or write + nbytes <= read, "queue_copy: the two overlap"
+    ticket = 0
+    for offset in range(0, nbytes, COPY_PIECE_BYTES):
+        size = min(COPY_PIECE_BYTES, nbytes - offset)
+        ticket = KERNELS.queue_copy(queue, read + offset, write + offset, size)
+    return int(ticket)
+
+
 def queue_finished(queue: object) -> int:
     """How many jobs ``queue`` has run, in the order they were submitted."""
     assert KERNELS is not None
