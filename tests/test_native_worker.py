@@ -142,6 +142,21 @@ def test_a_waiter_runs_the_jobs_the_thread_has_not_started() -> None:
     assert 1 <= helped <= 31
 
 
+def test_a_waiter_told_not_to_run_jobs_only_waits() -> None:
+    """``queue_wait(..., run=False)``: the queue's thread runs every job, the caller none."""
+    big = torch.randn(4_000_000, generator=torch.Generator().manual_seed(1))
+    small = [torch.randn(30_000, generator=torch.Generator().manual_seed(n)) for n in range(10)]
+    queue = _native.new_queue()
+    jobs = [_queued(queue, big, 9, 64)]
+    jobs += [_queued(queue, values, n, 16) for n, values in enumerate(small)]
+    _native.queue_wait(queue, 11, run=False)
+    assert _native.queue_finished(queue) == 11
+    assert _native.queue_helped(queue) == 0
+    for n, (job, values) in enumerate(zip(jobs[1:], small, strict=True)):
+        assert job.profiled().values.tolist() == _expected(values, n, 16)
+    _native.queue_close(queue)
+
+
 def test_jobs_a_waiter_ran_are_counted_once_every_job_before_them_has_run() -> None:
     """``queue_finished`` counts in the order submitted, whoever ran the jobs.
 

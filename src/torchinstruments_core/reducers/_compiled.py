@@ -17,11 +17,12 @@ if TYPE_CHECKING:
 ENVIRONMENT_SWITCH = "TORCHINSTRUMENTS_NATIVE"
 """Set to ``0`` to reduce with numpy and torch although the compiled kernels are installed."""
 
-LAYOUT = 5
+LAYOUT = 6
 """The layout of the buffers this package hands the kernels and of the calls it makes
 (``_kernels.c``'s ``KERNELS_LAYOUT``; 2: each histogram's edges follow it; 3: ``ratio_sum``;
-4: the moments' second pass in ``profile``, and ``shifted_squares``; 5: ``difference_squares``).
-A module of another layout is not used."""
+4: the moments' second pass in ``profile``, and ``shifted_squares``; 5: ``difference_squares``;
+6: ``queue_copy``, ``queue_helped``, a waiter that runs queued jobs). A module of another
+layout is not used."""
 
 
 def load() -> ModuleType | None:

@@ -490,17 +490,17 @@ def queue_helped(queue: object) -> int:
     return int(KERNELS.queue_helped(queue))
 
 
-def queue_wait(queue: object, ticket: int) -> None:
+def queue_wait(queue: object, ticket: int, *, run: bool = True) -> None:
     """Block, with the GIL released, until the job with ``ticket`` and those before it have run.
 
     Meanwhile the caller runs the jobs up to ``ticket`` that the queue's thread has not
     started, in the order they were submitted (``queue_helped`` counts them), and waits only
     for those the thread is running: on two processors a sample's close that found its last
     jobs queued finishes them in about half the time. The values are the same whichever thread
-    ran a job.
+    ran a job. ``run=False``: the caller only waits (``benchmarks/`` compares the two).
     """
     assert KERNELS is not None
-    KERNELS.queue_wait(queue, ticket)
+    KERNELS.queue_wait(queue, ticket, int(run))
 
 
 def queue_close(queue: object) -> None:
