@@ -133,7 +133,10 @@ def _instrument_optimizer() -> None:
     _timed_entry(_optimizer_probe.OptimizerProbe, "_pre", hooks)
     _timed_entry(_optimizer_probe.OptimizerProbe, "_post", hooks)
     _timed(_optimizer_probe.OptimizerProbe, "_before", "step record: before the step")
-    _timed(_optimizer_probe, "before_step", "step record: parameters copied")
+    copied = "step record: parameters copied"  # the queued copies, the caller's, the wait
+    _timed(_optimizer_probe, "queue_copies", copied)
+    _timed(_optimizer_probe, "before_step", copied)
+    _timed(_lifecycle.SampleLifecycle, "wait_for_copies", copied)
     _timed(_optimizer_probe.OptimizerProbe, "_after", "step record: after the step")
     _timed(_step_tensors, "_difference", "step record: updates formed")
     _timed(_step_tensors, "adam_ratio", "step record: Adam's ratio")
