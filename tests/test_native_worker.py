@@ -59,7 +59,7 @@ def test_a_queued_profile_is_profile_bit_for_bit(dtype: torch.dtype, numel: int,
     for seed in (None, 12345) if numel > 8192 else (None,):
         queued = _queued(queue, values, seed, bins)
         assert queued.ticket is not None
-        _native.queue_wait(queue, queued.ticket)
+        _native.queue_wait(queue, queued.ticket, run=False)  # the thread's run, not the caller's
         call = _call(numel, 8192 if seed is not None else 0, bins)
         index = None if seed is None else _native.draw_positions(seed, numel, call.size)
         expected = _native.profile(values, index, call.shape)
@@ -81,7 +81,7 @@ def test_a_nonfinite_entry_gives_the_queue_s_status_and_the_sums_alone() -> None
     queue = _native.new_queue()
     queued = _queued(queue, values, None, 16)
     assert queued.ticket is not None
-    _native.queue_wait(queue, queued.ticket)
+    _native.queue_wait(queue, queued.ticket, run=False)
     assert queued.profiled().status == _native.STATUS_NONFINITE
     assert math.isnan(queued.profiled().numbers[0])
 
@@ -244,7 +244,8 @@ def test_the_queue_s_thread_has_a_name_of_its_own() -> None:
     queue = _native.new_queue()
     queued = _queued(queue, torch.randn(1000), None, 0)  # the first job starts the thread
     assert queued.ticket is not None
-    _native.queue_wait(queue, queued.ticket)
+    # the thread runs it (named by then): a caller that ran it could return before it started
+    _native.queue_wait(queue, queued.ticket, run=False)
     assert names().count("ti-kernel-queue") == before + 1
     _native.queue_close(queue)
     assert names().count("ti-kernel-queue") == before

@@ -116,11 +116,6 @@ class CopyJob:
         self._tensors: tuple[torch.Tensor, torch.Tensor] | None = (source, destination)
         self.buffer: torch.Tensor | None = None  # none of the worker's: nothing kept as spare
 
-    @property
-    def done(self) -> bool:
-        """Whether the copy has run and been read back (its tensors let go)."""
-        return self._tensors is None
-
     def complete(self) -> None:
         """The copy has run: let the tensors go."""
         self._tensors = None
