@@ -127,7 +127,7 @@ def _instrument() -> None:
 
 def _instrument_optimizer() -> None:
     """Time the optimizer step hooks and their parts (``--optimizer``)."""
-    from torchinstruments_core import _lifecycle, _optimizer_probe, _step_tensors
+    from torchinstruments_core import _lifecycle, _measure, _optimizer_probe, _step_tensors
 
     hooks = "entry: optimizer step hooks"
     _timed_entry(_optimizer_probe.OptimizerProbe, "_pre", hooks)
@@ -136,7 +136,7 @@ def _instrument_optimizer() -> None:
     copied = "step record: parameters copied"  # the queued copies, the caller's, the wait
     _timed(_optimizer_probe, "queue_copies", copied)
     _timed(_optimizer_probe, "before_step", copied)
-    _timed(_lifecycle.SampleLifecycle, "wait_for_copies", copied)
+    _timed(_measure.Measurer, "wait_for", copied)
     _timed(_optimizer_probe.OptimizerProbe, "_after", "step record: after the step")
     _timed(_step_tensors, "_difference", "step record: updates formed")
     _timed(_step_tensors, "adam_ratio", "step record: Adam's ratio")

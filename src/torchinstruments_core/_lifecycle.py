@@ -31,7 +31,6 @@ from torchinstruments_core._torch_private import in_backward
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    import torch
     from torch import nn
 
     from torchinstruments_core._failures import FailureReport
@@ -346,14 +345,6 @@ class SampleLifecycle:
     ) -> dict[int, Measurement]:
         """Reduce ``tensors`` into ``record``, on their devices; their measurements, by id."""
         return self._steps.measure(record, tensors, writes=id(record) not in self._joining)
-
-    def copy_on_queue(self, source: torch.Tensor, destination: torch.Tensor) -> int | None:
-        """Queue a parameter's copy before a recorded step (``Measurer.copy``); its ticket."""
-        return self._measurer.copy(source, destination)
-
-    def wait_for_copies(self, ticket: int) -> None:
-        """Block until the copies queued up to ``ticket`` have run, copying some meanwhile."""
-        self._measurer.wait_for(ticket)
 
     def wait_for_reductions(self) -> None:
         """Block until the workers have reduced every tensor handed to them (``Measurer.wait``).

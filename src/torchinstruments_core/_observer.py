@@ -84,7 +84,7 @@ class Observer:
             failures=failures,
         )
         self._optimizers = OptimizerProbe(
-            self._samples, StepWindow(), failures, config.step_signals
+            self._samples, StepWindow(), failures, config.step_signals, config.measurer
         )
 
     # -- public surface ----------------------------------------------------------------------

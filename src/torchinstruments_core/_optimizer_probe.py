@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from torchinstruments_core._failures import FailureReport
     from torchinstruments_core._layers import Layer
     from torchinstruments_core._lifecycle import SampleLifecycle
+    from torchinstruments_core._measure import Measurer
     from torchinstruments_core._measurement import Measurement
     from torchinstruments_core._sample import Sample
     from torchinstruments_core._step_window import StepWindow
@@ -128,6 +129,8 @@ class OptimizerProbe:
         window: Decides which steps are recorded.
         failures: Where a failure while measuring is reported.
         signals: The step signals to record.
+        measurer: The lifecycle's; it queues the large parameters' copies on the kernels'
+            queue (``Measurer.copy``, ``_step_tensors.queue_copies``) and waits for them.
     """
 
     def __init__(
@@ -136,9 +139,11 @@ class OptimizerProbe:
         window: StepWindow,
         failures: FailureReport,
         signals: frozenset[Signal],
+        measurer: Measurer,
     ) -> None:
         self._lifecycle, self._window, self._failures = lifecycle, window, failures
         self._signals = signals
+        self._measurer = measurer
         self._parameters: ParameterMap | None = None
         self._watched: dict[int, tuple[weakref.ref[Any], list[RemovableHandle]]] = {}
         self._pending: dict[int, _Pending] = {}
@@ -246,7 +251,7 @@ class OptimizerProbe:
             try:
                 # the large copies first on the queue: waiting for them runs no gradient's job
                 queued, ticket = queue_copies(
-                    optimizer, parameters, signals, self._buffers, self._lifecycle.copy_on_queue
+                    optimizer, parameters, signals, self._buffers, self._measurer.copy
                 )
                 measured = self._lifecycle.measure_step(record, gradients)  # reduced meanwhile
                 if during:
@@ -258,7 +263,7 @@ class OptimizerProbe:
                 if gradients and not during:
                     self._lifecycle.wait_for_reductions()
                 elif ticket is not None:
-                    self._lifecycle.wait_for_copies(ticket)
+                    self._measurer.wait_for(ticket)
             whole = None
             if not during:
                 model = model_gradients(optimizer, parameters)

@@ -235,10 +235,10 @@ def queue_copies(
 
     Each observed parameter with a gradient whose update is recorded, a contiguous CPU tensor
     of ``QUEUED_COPY_BYTES`` or more with a buffer of ``buffers``' to copy into
-    (``CopyBuffers.lend``), is copied there by ``copy_on_queue`` (``SampleLifecycle
-    .copy_on_queue``), while the caller copies the others (``before_step``); waiting for the
-    ticket then has the waiting thread copy too (``_native.queue_wait``). On the 2.9 M-parameter
-    MLP of ``benchmarks/`` the training thread's copies took 2.2-2.8 ms.
+    (``CopyBuffers.lend``), is copied there by ``copy_on_queue`` (``Measurer.copy``), while
+    the caller copies the others (``before_step``); waiting for the ticket then has the
+    waiting thread copy too (``_native.queue_wait``). On the 2.9 M-parameter MLP of
+    ``benchmarks/`` the training thread's copies took 2.2-2.8 ms, these 1.4-1.6 ms.
 
     Returns:
         The buffers being filled, by the id of their parameter (for ``before_step``), and the
