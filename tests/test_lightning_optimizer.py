@@ -146,3 +146,54 @@ def test_step_signals_option_reaches_the_monitor(tmp_path: pathlib.Path) -> None
     assert set(history["signal"]) == {"update"}
     with pytest.raises(ConfigurationError, match=r"step_signals=\['weights'\]"):
         TelemetryMonitor(step_signals=["weights"])
+
+
+class Wide(Recorded):
+    """``Recorded`` with a 512 x 512 weight (1 MiB): its copy goes to the kernels' queue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 512),
+            torch.nn.ReLU(),
+            torch.nn.Linear(512, 512),
+            torch.nn.Linear(512, 1),
+        )
+
+
+def test_a_large_parameter_copied_on_the_kernels_queue_gives_the_optimizer_s_rows(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In ``Trainer.fit``, a weight of 1 MiB is copied on the kernels' queue before each step.
+
+    Lightning steps the optimizer with a closure, so the copies are queued when it returns; on
+    one torch thread the reductions (and the copies) go to the queue. The rows match the float64
+    copies the test's own hooks took, as every other parameter's do.
+    """
+    from torchinstruments_core import _step_tensors
+    from torchinstruments_core.reducers import _native
+
+    if not _native.QUEUE:
+        pytest.skip("the kernels have no queue here")
+    copied: list[int] = []
+    queue_copy = _native.queue_copy
+
+    def counted(queue: object, source: torch.Tensor, destination: torch.Tensor) -> int:
+        copied.append(source.numel())
+        return queue_copy(queue, source, destination)
+
+    monkeypatch.setattr(_native, "queue_copy", counted)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a free core: CPU reductions go to the queue by default
+    try:
+        model = Wide()
+        run = _fit(tmp_path, model, max_steps=3)
+    finally:
+        torch.set_num_threads(threads)
+    assert _step_tensors.QUEUED_COPY_BYTES <= 512 * 512 * 4
+    assert copied == [512 * 512] * 3
+    assert model.reference is not None
+    rows = _step_rows(run)
+    assert sorted(rows) == [0, 1, 2]
+    for step, found in rows.items():
+        _check(found, model.reference.steps[step], rel=1e-5)
