@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,7 @@ from torchinstruments_core import AlwaysSampler, RecordKind, inject_observer
 from torchinstruments_core.testing import RecordingSink
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Iterator
 
     import pytest
 
@@ -201,3 +202,43 @@ def count_summed_gradients(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(_step_math, "_finite_summary", counted)
     return summed
+
+
+WIDE = 512
+"""A ``WIDE`` x ``WIDE`` float32 weight is 1 MiB, past ``_step_tensors.QUEUED_COPY_BYTES``."""
+
+
+def wide_net() -> nn.Sequential:
+    """4 -> WIDE -> WIDE -> 1; ``2.weight`` is copied on the kernels' queue (``queued_copies``)."""
+    return nn.Sequential(nn.Linear(4, WIDE), nn.ReLU(), nn.Linear(WIDE, WIDE), nn.Linear(WIDE, 1))
+
+
+@contextlib.contextmanager
+def queued_copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Count the parameter copies queued on the kernels' queue (their entries), one torch thread.
+
+    On one thread a core is free, so the CPU reductions, and with them the large parameters'
+    copies before a recorded step, go to the queue by default. Skips where there is no queue.
+    """
+    import pytest
+
+    from torchinstruments_core import _step_tensors
+    from torchinstruments_core.reducers import _native
+
+    if not _native.QUEUE:
+        pytest.skip("the kernels have no queue here")
+    assert _step_tensors.QUEUED_COPY_BYTES <= WIDE * WIDE * 4
+    copied: list[int] = []
+    queue_copy = _native.queue_copy
+
+    def counted(queue: object, source: torch.Tensor, destination: torch.Tensor) -> int:
+        copied.append(source.numel())
+        return queue_copy(queue, source, destination)
+
+    monkeypatch.setattr(_native, "queue_copy", counted)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield copied
+    finally:
+        torch.set_num_threads(threads)

@@ -23,6 +23,7 @@ from accelerate_helpers import (
     reset_accelerate_state,
     tensorboard_accelerator,
 )
+from optimizer_helpers import WIDE, queued_copies, wide_net
 from step_references import StepReference
 from torchinstruments_accelerate import TelemetryTracker
 from torchinstruments_core import ConfigurationError, ObservationWarning
@@ -184,3 +185,37 @@ def test_watch_refuses_what_is_not_an_optimizer(tmp_path: pathlib.Path) -> None:
     telemetry = TelemetryTracker(every_n_steps=2, output_dir=tmp_path / "run")
     with pytest.raises(ConfigurationError, match="optimizer"):
         telemetry.watch(Regressor(), optimizer="adam")  # type: ignore[arg-type]
+
+
+class _Wide(Regressor):
+    """``Regressor`` whose ``net.2`` has a 512 x 512 weight (1 MiB), copied on the queue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = wide_net()
+
+
+def test_a_large_weight_copied_on_the_kernels_queue_gives_the_optimizers_update(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accelerate's loop: a 1 MiB weight's copy goes to the kernels' queue on each sampled step.
+
+    On one torch thread the CPU reductions, and so the large copies, go to the queue; the
+    ``update_to_weight`` in TensorBoard is the test's float64 hooks' value all the same.
+    """
+    with queued_copies(monkeypatch) as copied:
+        telemetry = TelemetryTracker(every_n_steps=2)
+        accelerator = tensorboard_accelerator(tmp_path, telemetry, 1)
+        model = _Wide()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        reference = StepReference(model, optimizer)
+        prepared, prepared_optimizer, data = accelerator.prepare(model, optimizer, loader(64))
+        telemetry.watch(prepared, accelerator=accelerator, optimizer=prepared_optimizer)
+        _loop(accelerator, prepared, [prepared_optimizer], data, steps=4)
+        accelerator.end_training()
+    assert copied == [WIDE * WIDE] * 2  # sampled steps 0 and 2
+    ratio = _scalar(events(tmp_path / "exp"), UPDATE_TO_WEIGHT)
+    assert sorted(ratio) == [FIRST, FIRST + 2]
+    for k in (0, 2):
+        expected = reference.update_to_weight[k]["net.2.weight"]
+        assert ratio[FIRST + k] == pytest.approx(expected, rel=1e-5)

@@ -18,7 +18,16 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_helpers import Regressor, loader, trainer
-from optimizer_helpers import Key, Reference, assert_matches, split, stats
+from optimizer_helpers import (
+    WIDE,
+    Key,
+    Reference,
+    assert_matches,
+    queued_copies,
+    split,
+    stats,
+    wide_net,
+)
 from torchinstruments_core import ConfigurationError
 from torchinstruments_lightning import TelemetryMonitor
 
@@ -153,12 +162,7 @@ class Wide(Recorded):
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(4, 512),
-            torch.nn.ReLU(),
-            torch.nn.Linear(512, 512),
-            torch.nn.Linear(512, 1),
-        )
+        self.net = wide_net()
 
 
 def test_a_large_parameter_copied_on_the_kernels_queue_gives_the_optimizer_s_rows(
@@ -170,28 +174,10 @@ def test_a_large_parameter_copied_on_the_kernels_queue_gives_the_optimizer_s_row
     one torch thread the reductions (and the copies) go to the queue. The rows match the float64
     copies the test's own hooks took, as every other parameter's do.
     """
-    from torchinstruments_core import _step_tensors
-    from torchinstruments_core.reducers import _native
-
-    if not _native.QUEUE:
-        pytest.skip("the kernels have no queue here")
-    copied: list[int] = []
-    queue_copy = _native.queue_copy
-
-    def counted(queue: object, source: torch.Tensor, destination: torch.Tensor) -> int:
-        copied.append(source.numel())
-        return queue_copy(queue, source, destination)
-
-    monkeypatch.setattr(_native, "queue_copy", counted)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a free core: CPU reductions go to the queue by default
-    try:
+    with queued_copies(monkeypatch) as copied:
         model = Wide()
         run = _fit(tmp_path, model, max_steps=3)
-    finally:
-        torch.set_num_threads(threads)
-    assert _step_tensors.QUEUED_COPY_BYTES <= 512 * 512 * 4
-    assert copied == [512 * 512] * 3
+    assert copied == [WIDE * WIDE] * 3
     assert model.reference is not None
     rows = _step_rows(run)
     assert sorted(rows) == [0, 1, 2]
