@@ -208,11 +208,11 @@ class NativeWorker:
             self._held += nbytes  # before the copy: ``buffer`` trims the spares to make room
             try:
                 job = make()
-                ticket = job.start(self._started())
+                queue = self._started()
             except BaseException:
                 self._held -= nbytes
                 raise
-            return self._track(ticket, nbytes, job)
+            return self._start(job, queue, nbytes)
 
     def submit_ready(self, job: ProfileJob) -> int | None:
         """``submit`` of a ``job`` that holds its values already and none of the budget.
@@ -229,7 +229,7 @@ class NativeWorker:
         if queue is not None and _background._current_pid == self._pid:
             with self._lock:
                 if not self._closed:
-                    return self._track(job.start(queue), 0, job)
+                    return self._start(job, queue, 0)
         return self.submit(0, lambda: job)
 
     def submit_copy(self, plain: torch.Tensor, dtype: torch.dtype, job: ProfileJob) -> int | None:
@@ -256,11 +256,10 @@ class NativeWorker:
                     try:
                         buffer = self._take(numel, dtype)
                         job._values = job.buffer = _background.flat_copy(plain, buffer)
-                        ticket = job.start(queue)
                     except BaseException:
                         self._held -= nbytes
                         raise
-                    return self._track(ticket, nbytes, job)
+                    return self._start(job, queue, nbytes)
 
         def make() -> ProfileJob:
             job._values = job.buffer = _background.flat_copy(plain, self.buffer(numel, dtype))
@@ -274,7 +273,8 @@ class NativeWorker:
         The queue's thread copies while the caller goes on, and a ``wait`` for the ticket has
         the waiting thread copy the pieces no one has started. Both tensors are held until the
         copy has run; nothing of the budget. ``None``: there is no queue to take it (after
-        ``close``, in a child made by ``fork``) and the caller copies.
+        ``close``, in a child made by ``fork``) and the caller copies. An exception on the way
+        (an interrupt, no memory for a job) leaves once what was queued of the copy has run.
 
         Args:
             source: A contiguous CPU tensor of at least one entry, unchanged until the copy has
@@ -285,8 +285,15 @@ class NativeWorker:
         if _background._current_pid == self._pid:
             with self._lock:
                 if not self._closed:
-                    ticket = _native.queue_copy(self._started(), source, destination)
-                    return self._track(ticket, 0, CopyJob(source, destination))
+                    job, queue = CopyJob(source, destination), self._started()
+                    try:
+                        return self._track(_native.queue_copy(queue, source, destination), 0, job)
+                    except BaseException:
+                        # an interrupt before the job was tracked: nobody would hold the
+                        # tensors its pieces read and write
+                        if not self._tracks(job):
+                            _native.drain(queue)
+                        raise
         return None
 
     def _started(self) -> object:
@@ -298,6 +305,27 @@ class NativeWorker:
             closer = _native.queue_closer(queue)
             weakref.finalize(self, _close_queue, closer, self._pid)
         return queue
+
+    def _start(self, job: ProfileJob, queue: object, nbytes: int) -> int | None:
+        """Queue ``job``, which holds ``nbytes`` of the budget, and track it (lock held).
+
+        Once queued, the job reads and writes buffers that only it holds, and only the worker
+        holds it once tracked (``_track``): an exception in between (a ``KeyboardInterrupt``,
+        perhaps before the job's ticket is known) would let them go while the queue's thread
+        uses them. Every queued job is waited for first, and the bytes are given back; a job
+        that failed to queue holds none either.
+        """
+        try:
+            return self._track(job.start(queue), nbytes, job)
+        except BaseException:
+            if not self._tracks(job):
+                _native.drain(queue)
+                self._held -= nbytes
+            raise
+
+    def _tracks(self, job: ProfileJob | CopyJob) -> bool:
+        """Whether ``job`` is among the jobs waiting to be read back (lock held)."""
+        return any(held is job for _, _, held in self._pending)
 
     def _track(self, ticket: int | None, nbytes: int, job: ProfileJob | CopyJob) -> int | None:
         """Hold ``job`` (queued with ``ticket``) until it is read back; ``ticket``, as ``submit``.

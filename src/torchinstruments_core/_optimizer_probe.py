@@ -247,12 +247,13 @@ class OptimizerProbe:
                 pending.model = model = model_gradients(optimizer, parameters)
                 pending.versions = gradient_versions([*(g.tensor for g in gradients), *model])
             measured: dict[int, Measurement] = {}
-            ticket = None
+            ticket, copies_queued = None, False
             try:
                 # the large copies first on the queue: waiting for them runs no gradient's job
                 queued, ticket = queue_copies(
                     optimizer, parameters, signals, self._buffers, self._measurer.copy
                 )
+                copies_queued = True
                 measured = self._lifecycle.measure_step(record, gradients)  # reduced meanwhile
                 if during:
                     pending.gradients = measured
@@ -260,7 +261,8 @@ class OptimizerProbe:
                     optimizer, parameters, signals, scale, self._buffers, queued
                 )
             finally:  # before the optimizer may change them, whatever failed meanwhile
-                if gradients and not during:
+                if (gradients and not during) or not copies_queued:
+                    # every job: a failure among the copies leaves some queued, unknown here
                     self._lifecycle.wait_for_reductions()
                 elif ticket is not None:
                     self._measurer.wait_for(ticket)

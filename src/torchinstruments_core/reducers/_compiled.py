@@ -17,12 +17,13 @@ if TYPE_CHECKING:
 ENVIRONMENT_SWITCH = "TORCHINSTRUMENTS_NATIVE"
 """Set to ``0`` to reduce with numpy and torch although the compiled kernels are installed."""
 
-LAYOUT = 6
+LAYOUT = 7
 """The layout of the buffers this package hands the kernels and of the calls it makes
 (``_kernels.c``'s ``KERNELS_LAYOUT``; 2: each histogram's edges follow it; 3: ``ratio_sum``;
 4: the moments' second pass in ``profile``, and ``shifted_squares``; 5: ``difference_squares``;
-6: ``queue_copy``, ``queue_helped``, a waiter that runs queued jobs). A module of another
-layout is not used."""
+6: ``queue_copy``, ``queue_helped``, a waiter that runs queued jobs; 7: a job its submitter
+runs counted in its turn, ``queue_close`` waiting for every job). A module of another layout
+is not used."""
 
 
 def load() -> ModuleType | None:

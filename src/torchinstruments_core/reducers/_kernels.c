@@ -1107,6 +1107,7 @@ typedef struct Job {
     int64_t ticket; /* its place in the order submitted, from 1 */
     int done;       /* it has run; it is counted (``finished``) once every job before it has */
     int copy;       /* a copy (queue_copy): ``n`` bytes from ``data`` to ``values``, no status */
+    int reserved;   /* its submitter runs it (no thread could take it): never claimed */
 } Job;
 
 typedef struct {
@@ -1114,7 +1115,8 @@ typedef struct {
     pthread_cond_t work; /* the thread waits here for jobs */
     pthread_cond_t done; /* callers wait here for finished jobs */
     Job *head, *tail;    /* every job not yet counted, in the order submitted */
-    Job* next;           /* the first job no one has started: the thread's, or a waiter's */
+    Job* next;           /* the first job no one has started: the thread's, or a waiter's;
+                            never a reserved one */
     int64_t submitted, finished;
     int waiters, closing, started, joining;
     int sleeping;      /* the thread waits on ``work``: a submit must signal it */
@@ -1156,20 +1158,16 @@ static void wait_finished(Queue* q, int64_t ticket) {
     q->waiters--;
 }
 
-/* Runs ``job`` (lock not held), frees it and counts it as run (lock held on return): a job run
-   in its caller, which no one else holds. */
-static void run_and_count(Queue* q, Job* job) {
-    job_run(job);
-    free(job);
-    pthread_mutex_lock(&q->lock);
-    q->finished++;
-    if (q->waiters) pthread_cond_broadcast(&q->done);
+/* The first job from ``job`` on that is not reserved (NULL: none). */
+static Job* claimable(Job* job) {
+    while (job != NULL && job->reserved) job = job->next;
+    return job;
 }
 
 /* Takes the first job no one has started (lock held; NULL: none). */
 static Job* claim(Queue* q) {
     Job* job = q->next;
-    if (job != NULL) q->next = job->next;
+    if (job != NULL) q->next = claimable(job->next);
     return job;
 }
 
@@ -1234,12 +1232,15 @@ static void* queue_main(void* argument) {
     return NULL;
 }
 
-/* Stops the thread once every queued job has run (GIL held or not: the thread never takes it).
-   A second caller meanwhile waits for the first one's join. */
+/* Stops the thread, and returns once every job submitted before has run (GIL held or not: the
+   thread never takes it). A second caller meanwhile waits for the first one's join. The jobs a
+   waiter claimed (queue_wait) or a submitter runs itself can outlast the thread: they are
+   waited for too, so that nothing reads or writes a job's buffers once the queue is closed. */
 static void queue_stop(Queue* q) {
     pthread_mutex_lock(&q->lock);
     q->closing = 1;
     pthread_cond_signal(&q->work);
+    const int64_t submitted = q->submitted;
     int join = q->started && !q->joining;
     if (join) {
         q->joining = 1;
@@ -1249,12 +1250,16 @@ static void queue_stop(Queue* q) {
         q->waiters--;
     }
     pthread_mutex_unlock(&q->lock);
-    if (!join) return;
-    pthread_join(q->thread, NULL);
+    if (join) {
+        pthread_join(q->thread, NULL);
+        pthread_mutex_lock(&q->lock);
+        q->started = 0;
+        q->joining = 0;
+        pthread_cond_broadcast(&q->done);
+        pthread_mutex_unlock(&q->lock);
+    }
     pthread_mutex_lock(&q->lock);
-    q->started = 0;
-    q->joining = 0;
-    pthread_cond_broadcast(&q->done);
+    wait_finished(q, submitted);
     pthread_mutex_unlock(&q->lock);
 }
 
@@ -1373,41 +1378,41 @@ static PyObject* queue_submit(PyObject* module, PyObject* const* args, Py_ssize_
     }
     *job = (Job){NULL, a.data, a.n, a.dtype, a.m, a.count, a.nlevels, a.bins, a.index, drawn,
                  (uint64_t)seed, (const int64_t*)a.views[0].buf, (const double*)a.views[1].buf,
-                 (double*)a.views[2].buf, a.views[3].buf, 0, 0, 0};
+                 (double*)a.views[2].buf, a.views[3].buf, 0, 0, 0, 0};
     release_views(&a, 4); /* the caller keeps the buffers alive until the job has run */
     return PyLong_FromLongLong(enqueue(q, job));
 }
 
 /* Queues ``job`` and returns its ticket; on a closed queue, or where no thread can start, runs
-   it here, after the jobs before it, before returning (GIL held on entry and on return). */
+   it here, after the jobs before it, before returning (GIL held on entry and on return).
+
+   Such a job is listed all the same, reserved to its submitter, so that it is counted in its
+   turn: another submitter may start the thread meanwhile, whose jobs must not be counted
+   before this one has run (``finished`` counts in the order submitted). */
 static int64_t enqueue(Queue* q, Job* job) {
-    int64_t ticket;
-    int inline_job = 0;
     pthread_mutex_lock(&q->lock);
-    if (!q->closing && (q->started || queue_start(q) == 0)) {
-        job->ticket = q->submitted + 1;
-        if (q->tail == NULL)
-            q->head = job;
-        else
-            q->tail->next = job;
-        q->tail = job;
+    /* read here, not from the job once the lock is let go: the thread may have freed it */
+    const int reserved = job->reserved = q->closing || !(q->started || queue_start(q) == 0);
+    const int64_t ticket = job->ticket = ++q->submitted;
+    if (q->tail == NULL)
+        q->head = job;
+    else
+        q->tail->next = job;
+    q->tail = job;
+    if (!reserved) {
         if (q->next == NULL) q->next = job;
         if (q->sleeping) { /* a thread that lingers finds the job by itself */
             q->sleeping = 0; /* one wake per sleep: a second job before it runs signals nothing */
             pthread_cond_signal(&q->work);
             q->wakes++;
         }
-    } else {
-        inline_job = 1;
     }
-    ticket = ++q->submitted;
     pthread_mutex_unlock(&q->lock);
-    if (inline_job) { /* closed, or no thread: run it now, in its turn, and count it as run */
+    if (reserved) { /* closed, or no thread: run it now, in its turn */
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&q->lock);
         wait_finished(q, ticket - 1);
-        pthread_mutex_unlock(&q->lock);
-        run_and_count(q, job);
+        run_claimed(q, job);
         pthread_mutex_unlock(&q->lock);
         Py_END_ALLOW_THREADS
     }
@@ -1505,7 +1510,8 @@ static PyObject* queue_wait(PyObject* module, PyObject* const* args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
-/* queue_close(queue): run what is queued, then stop the thread; later jobs run in the caller. */
+/* queue_close(queue): run what is queued, then stop the thread; return once every job submitted
+   before has run, those a waiter or a submitter runs included. Later jobs run in the caller. */
 static PyObject* queue_close(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
     (void)module;
     if (check_args(nargs, 1, "queue_close")) return NULL;
@@ -1663,8 +1669,9 @@ static struct PyModuleDef module_definition = {
    ``LAYOUT``): a module built from older sources, which a failed rebuild leaves in place, would
    pass the size checks and leave new fields unwritten. 2: the histogram's edges follow it;
    3: ratio_sum; 4: the moments' second pass in profile, shifted_squares; 5: difference_squares;
-   6: queue_copy, queue_helped, and a waiter that runs queued jobs. */
-#define KERNELS_LAYOUT 6
+   6: queue_copy, queue_helped, and a waiter that runs queued jobs; 7: a job run by its
+   submitter counted in its turn, and queue_close returns once every job has run. */
+#define KERNELS_LAYOUT 7
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     crc_prepare();

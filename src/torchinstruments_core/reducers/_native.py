@@ -19,6 +19,7 @@ copy.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -410,25 +411,34 @@ def submit_profile(
             quartiles).
         shape: The subsample's size, its quantile plan and the histogram's bins
             (``profile_shape``).
+
+    An exception that interrupts it once the job is queued (a ``KeyboardInterrupt``) leaves
+    only once the job has run: the returned ``Queued`` is what holds its buffers.
     """
     assert KERNELS is not None, "submit_profile needs the kernels (check QUEUE)"
     numbers, out = shape.buffers(values.dtype, status=True)
     if queue is not None:
-        ticket = KERNELS.queue_submit(
-            queue,
-            seed,
-            values.data_ptr(),
-            values.numel(),
-            _DTYPES[values.dtype],
-            0,
-            shape.size,
-            shape.ranks,
-            shape.table,
-            shape.bins,
-            numbers,
-            out,
-        )
-        return Queued(ticket, numbers, out, values, shape.plan)
+        try:
+            ticket = KERNELS.queue_submit(
+                queue,
+                seed,
+                values.data_ptr(),
+                values.numel(),
+                _DTYPES[values.dtype],
+                0,
+                shape.size,
+                shape.ranks,
+                shape.table,
+                shape.bins,
+                numbers,
+                out,
+            )
+            return Queued(ticket, numbers, out, values, shape.plan)
+        except BaseException:
+            # an interrupt once it is queued (as the call returns, before its ticket is known):
+            # nothing would hold what the job reads and writes
+            drain(queue)
+            raise
     try:  # as the queue's thread would: its own draw, and no memory a status, not an error
         index = None if seed is None else draw_positions(seed, values.numel(), shape.size)
         profiled = profile(values, index, shape)
@@ -436,6 +446,23 @@ def submit_profile(
     except MemoryError:
         numbers[-1] = STATUS_NO_MEMORY
     return Queued(None, numbers, out, values, shape.plan)
+
+
+_EVERY_JOB = (1 << 63) - 1
+"""A ticket past any job's: ``queue_wait`` for it waits for every job submitted so far."""
+
+
+def drain(queue: object) -> None:
+    """Wait for every job submitted to ``queue`` so far, running those not started meanwhile.
+
+    What an exception that may have left a job queued, its ticket not known (an interrupt as
+    the submit returns), and held by nothing, waits for before it leaves: the job reads and
+    writes memory that would be let go. A queue of another process (this one a child made by
+    ``fork``, where the kernels refuse it) has no job of this process's: nothing to wait for.
+    """
+    assert KERNELS is not None
+    with contextlib.suppress(RuntimeError):
+        KERNELS.queue_wait(queue, _EVERY_JOB)
 
 
 COPY_PIECE_BYTES = 1 << 20
@@ -449,6 +476,8 @@ def queue_copy(queue: object, source: torch.Tensor, destination: torch.Tensor) -
     Byte copies of ``COPY_PIECE_BYTES`` or less, in their turn among the profile jobs, run by
     the queue's thread or by a caller of ``queue_wait``: two processors copy at once. The
     caller keeps both tensors alive, and ``source`` unchanged, until the last job has run.
+    Where this raises (a ``KeyboardInterrupt`` between two pieces, no memory for a job), the
+    pieces it queued have run before the exception leaves it.
 
     Args:
         queue: A reduction queue (``new_queue``).
@@ -466,9 +495,15 @@ def queue_copy(queue: object, source: torch.Tensor, destination: torch.Tensor) -
     read, write = source.data_ptr(), destination.data_ptr()
     assert read + nbytes <= write or write + nbytes <= read, "queue_copy: the two overlap"
     ticket = 0
-    for offset in range(0, nbytes, COPY_PIECE_BYTES):
-        size = min(COPY_PIECE_BYTES, nbytes - offset)
-        ticket = KERNELS.queue_copy(queue, read + offset, write + offset, size)
+    try:
+        for offset in range(0, nbytes, COPY_PIECE_BYTES):
+            size = min(COPY_PIECE_BYTES, nbytes - offset)
+            ticket = KERNELS.queue_copy(queue, read + offset, write + offset, size)
+    except BaseException:
+        # an interrupt, or no memory for a job, between two pieces: nobody would hold the two
+        # tensors for the pieces already queued, which read and write them. They run first.
+        drain(queue)
+        raise
     return int(ticket)
 
 
@@ -504,7 +539,12 @@ def queue_wait(queue: object, ticket: int, *, run: bool = True) -> None:
 
 
 def queue_close(queue: object) -> None:
-    """Run what ``queue`` holds, then stop its thread; later jobs run in the caller."""
+    """Run what ``queue`` holds, then stop its thread; later jobs run in the caller.
+
+    Returns once every job submitted before has run, also those a caller of ``queue_wait``
+    took and is still running after the thread stopped: nothing reads or writes a job's
+    buffers after it.
+    """
     assert KERNELS is not None
     KERNELS.queue_close(queue)
 
