@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from optimizer_helpers import Reference, assert_matches, split, stats, values_of
+from optimizer_helpers import Reference, assert_matches, split, stats, step_records, values_of
 from torchinstruments_core import (
     AlwaysSampler,
     EveryNForwardsSampler,
@@ -67,7 +67,7 @@ def test_gradients_are_unscaled_and_clipped_as_the_optimizer_sees_them() -> None
     with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
         for _ in range(2):
             _scaled_step(model, optimizer, scaler, clip=0.05)
-    records = [s for s in sink.samples if s.kind is RecordKind.STEP]
+    records = step_records(sink)
     assert len(records) == 2
     for record, copies in zip(records, reference.steps, strict=True):
         rows = values_of(record)
@@ -252,6 +252,149 @@ def test_a_recorded_cuda_step_never_waits_for_the_device(make: Any) -> None:
             finally:
                 torch.cuda.set_sync_debug_mode(0)
             optimizer.zero_grad()
-    records = [s for s in sink.samples if s.kind is RecordKind.STEP]
+    records = step_records(sink)
     assert len(records) == 2
     assert all(row.value is not None for row in records[-1].rows)
+
+
+def test_a_step_that_raises_is_delivered_alone_and_never_taken_for_the_next() -> None:
+    """Adam raises on a sparse gradient after updating the dense group; the loop goes on.
+
+    The record of that step holds what was measured before it (the parameter, its gradient)
+    and no update: its post-hook never ran. It is delivered at the optimizer's next step,
+    whose post-hook would otherwise have taken it for its own and formed the update from the
+    parameters two steps apart. Every update recorded is the update of one step, as the
+    test's own hooks copied it before and after.
+    """
+    torch.manual_seed(0)
+    linear, embedding = nn.Linear(64, 64), nn.Embedding(10, 4, sparse=True)
+    model = nn.Sequential(linear)
+    optimizer = torch.optim.Adam(
+        [{"params": linear.parameters()}, {"params": embedding.parameters()}], lr=1e-2
+    )
+    names = {id(p): f"0.{n}" for n, p in linear.named_parameters()}
+    names |= {id(p): f"embedding.{n}" for n, p in embedding.named_parameters()}
+    reference = Reference(optimizer, names)  # registered first: copies before the observer
+    sink = RecordingSink()
+    raised = []
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+        for step in range(4):
+            loss = model(torch.randn(8, 64)).square().mean()
+            if step == 0:  # a sparse gradient: Adam raises once the dense group is updated
+                loss = loss + embedding(torch.tensor([1, 2])).sum()
+            loss.backward()
+            try:
+                optimizer.step()
+            except RuntimeError as error:
+                raised.append(str(error))
+            optimizer.zero_grad()
+    reference.remove()
+    assert len(raised) == 1
+    assert "sparse" in raised[0]
+    records = step_records(sink)
+    first = values_of(records[0])
+    assert not [key for key in first if key[1] in ("update", "optimizer_state")]
+    assert_matches(
+        first, "0", "parameter", "weight", stats(reference.steps[0].before["0.weight"]), rel=1e-5
+    )
+    updates = [
+        values[("0", "update", "weight", "rms")]
+        for values in map(values_of, records[1:])
+        if ("0", "update", "weight", "rms") in values
+    ]
+    assert updates  # a later step was recorded whole
+    expected = [
+        stats(copies.after["0.weight"] - copies.before["0.weight"])["rms"]
+        for copies in reference.steps[1:]
+    ]
+    for got in updates:
+        assert any(got == pytest.approx(value, rel=1e-4) for value in expected), (got, expected)
+
+
+def test_a_parameter_listed_twice_is_recorded_once_with_its_own_update() -> None:
+    """A 1 MiB weight listed twice in SGD's group (torch only warns) has one set of rows.
+
+    Its copy goes to the kernels' queue where there is one (one torch thread: a free core);
+    two entries made the update twice in the same buffer while its reduction read it. Each
+    recorded step's rows are one per metric, and the update is the step's own.
+    """
+    torch.manual_seed(0)
+    linear = nn.Linear(512, 512)
+    model = nn.Sequential(linear)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        optimizer = torch.optim.SGD([linear.weight, linear.weight, linear.bias], lr=0.1)
+    reference = Reference(optimizer, {id(p): f"0.{n}" for n, p in linear.named_parameters()})
+    sink = RecordingSink()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+            for _ in range(3):
+                model(torch.randn(8, 512)).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    reference.remove()
+    records = step_records(sink)
+    assert len(records) == 3
+    for record, copies in zip(records, reference.steps, strict=True):
+        keys = [(r.layer, str(r.signal), r.tensor_path, r.metric) for r in record.rows]
+        assert len(keys) == len(set(keys))
+        rows = values_of(record)
+        update = copies.after["0.weight"] - copies.before["0.weight"]
+        assert_matches(rows, "0", "update", "weight", stats(update), rel=1e-4)
+        assert_matches(rows, "0", "parameter", "weight", stats(copies.before["0.weight"]), rel=1e-5)
+
+
+class _FirstEntry:
+    """A custom reducer whose value is a view of what it is handed: its first entry."""
+
+    metrics = ("first",)
+
+    def reduce(self, tensor: Any) -> torch.Tensor:
+        return tensor.values.reshape(-1)[:1]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_reducer_s_view_of_a_tensor_read_in_place_keeps_what_it_saw(background: bool) -> None:
+    """A reducer returning a slice of its input, on step tensors read where they are.
+
+    SGD with Nesterov momentum (``foreach``) adds its momentum into ``.grad`` during its step,
+    and each update is formed in the copy its parameter's rows were measured from: a view
+    read when the record is delivered saw the changed values. The recorded first entries are
+    those the optimizer was handed, as the test's own pre-hook read them.
+    """
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 64)
+    model = nn.Sequential(linear)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=0.1, momentum=0.9, nesterov=True, foreach=True
+    )
+    handed: list[tuple[float, float]] = []
+
+    def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        gradient = linear.weight.grad
+        assert gradient is not None
+        handed.append((gradient.reshape(-1)[0].item(), linear.weight.reshape(-1)[0].item()))
+
+    optimizer.register_step_pre_hook(pre)  # before the observer's
+    sink = RecordingSink()
+    with inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        sink=sink,
+        optimizer=optimizer,
+        reducers=[_FirstEntry()],
+        background_reductions=background,
+    ):
+        for _ in range(2):
+            model(torch.randn(8, 64)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    records = step_records(sink)
+    assert len(records) == 2
+    for record, (gradient, parameter) in zip(records, handed, strict=True):
+        rows = values_of(record)
+        assert rows[("0", "parameter_gradient", "weight", "first")] == pytest.approx(gradient)
+        assert rows[("0", "parameter", "weight", "first")] == pytest.approx(parameter)

@@ -164,29 +164,34 @@ def test_a_job_its_submitter_runs_is_counted_in_its_turn(tmp_path: Path) -> None
 
 
 def test_closing_the_queue_waits_for_the_job_a_waiter_is_running() -> None:
-    """The thread copies 32 MiB while a waiter takes the next job, 128 MiB, and copies it.
+    """The thread copies 64 MiB while a waiter takes the next job, 128 MiB, and copies it.
 
     ``queue_close`` stops the thread once it has nothing left to take, which is before the
     waiter is done: it returns only once the waiter's job has run too (the last byte copied,
-    both jobs counted), so that nothing writes a job's buffers after the close.
+    both jobs counted), so that nothing writes a job's buffers after the close. The waiter
+    starts once the thread's copy has begun (its first byte written), so that the thread has
+    taken the first job and the waiter takes the second.
     """
     kernels = _kernels()
-    helped = 0
-    for _ in range(3):  # the waiter must find the thread inside the first job: again if not
+    helped, seen = 0, (0, 0)
+    first_bytes = 1 << 26
+    a, b = torch.ones(first_bytes, dtype=torch.uint8), torch.zeros(first_bytes, dtype=torch.uint8)
+    c = torch.ones(_BUSY_BYTES, dtype=torch.uint8)
+    d = torch.zeros(_BUSY_BYTES, dtype=torch.uint8)
+    for _ in range(3):  # a waiter stalled until the thread's copy ended has nothing to show
+        b.zero_()
+        d.zero_()
         queue = _native.new_queue()
-        small = 1 << 25
-        a, b = torch.ones(small, dtype=torch.uint8), torch.zeros(small, dtype=torch.uint8)
-        c = torch.ones(_BUSY_BYTES, dtype=torch.uint8)
-        d = torch.zeros(_BUSY_BYTES, dtype=torch.uint8)
-        kernels.queue_copy(queue, a.data_ptr(), b.data_ptr(), small)
-        time.sleep(0.002)  # the thread has taken the first job
+        kernels.queue_copy(queue, a.data_ptr(), b.data_ptr(), first_bytes)
         last = kernels.queue_copy(queue, c.data_ptr(), d.data_ptr(), _BUSY_BYTES)
+        deadline = time.monotonic() + 10
+        while not b[0]:  # the thread is copying the first job
+            assert time.monotonic() < deadline
         waiter = threading.Thread(target=_native.queue_wait, args=(queue, last))
         waiter.start()
-        deadline = time.monotonic() + 10
         while not _native.queue_helped(queue) and waiter.is_alive():
             assert time.monotonic() < deadline
-            time.sleep(0.0002)
+            time.sleep(0.0001)
         helped = _native.queue_helped(queue)
         _native.queue_close(queue)
         seen = (_native.queue_finished(queue), int(d[-1]))
@@ -400,8 +405,7 @@ def test_a_failure_among_a_step_s_queued_copies_waits_for_every_queued_job(
         worker = args[-1].__self__._native  # ``copy_on_queue`` is the measurer's ``copy``
         if worker is None or worker._queue is None:  # the queue is made by a sample's first job
             return real(*args)
-        state["queue"] = worker._queue
-        state.setdefault("held", []).append(_busy(worker._queue))
+        state["queue"], state["held"] = worker._queue, _busy(worker._queue)
         _, ticket = real(*args)
         assert ticket is not None
         state["ticket"] = ticket
@@ -412,7 +416,10 @@ def test_a_failure_among_a_step_s_queued_copies_waits_for_every_queued_job(
     def watched(self: Any, *args: Any) -> None:
         before(self, *args)
         if "ticket" in state:
-            seen.append((state.pop("ticket"), _native.queue_finished(state["queue"])))
+            queue, ticket = state["queue"], state.pop("ticket")
+            seen.append((ticket, _native.queue_finished(queue)))
+            _native.queue_wait(queue, ticket)  # the long job has run: its tensors may go
+            state.pop("held")
 
     monkeypatch.setattr(_optimizer_probe, "queue_copies", failing)
     monkeypatch.setattr(_optimizer_probe.OptimizerProbe, "_before", watched)

@@ -550,11 +550,15 @@ class Measurer:
                 measurement.results.append(self._run(reducer, prepared, measurement))
             if with_histogram:
                 self._run_histogram(prepared, measurement)
-        values = prepared.values
-        if values.is_cpu and not _same_storage(values, plain):
-            # the flat working-dtype copy made here: a result that views it (a custom reducer's
-            # slice) must not keep all of it alive until the sample is delivered
-            unalias(measurement, values)
+        # A result that views what it reduced (a custom reducer's slice of its input) gets
+        # storage of its own: it is read when the sample is delivered. The flat working-dtype
+        # copy made here must not stay alive until then, and a tensor read where it is changes
+        # before then (a gradient the optimizer's step writes into, the copy of a parameter its
+        # update is formed in, an output changed in place by the next layer).
+        if plain.layout == torch.strided:
+            unalias(measurement, plain)
+        if prepared.values is not plain:
+            unalias(measurement, prepared.values)
 
     def _fill_fused(
         self, prepared: PreparedTensor, measurement: Measurement, with_histogram: bool
@@ -674,11 +678,6 @@ class Measurer:
             generator.manual_seed(self._seed)
             self._generators[device] = generator
         return generator
-
-
-def _same_storage(one: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether two tensors view the same memory."""
-    return bool(one.untyped_storage().data_ptr() == other.untyped_storage().data_ptr())
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:

@@ -203,13 +203,17 @@ def forget_frames(error: BaseException) -> None:
 def unalias(measurement: Measurement, buffer: torch.Tensor) -> None:
     """Give the results that are views of ``buffer`` storage of their own.
 
-    A reducer may return a slice of its input, and the buffer is reused for later copies
-    before the results are read.
+    A reducer may return a slice of its input, and before the results are read the buffer is
+    reused for later copies, or the tensor read where it is changes (a gradient, a step
+    record's copy of a parameter once its update is formed in it).
     """
-    storage = buffer.untyped_storage().data_ptr()
+    storage = buffer.untyped_storage()
+    start, end, device = storage.data_ptr(), storage.data_ptr() + storage.nbytes(), buffer.device
 
     def own(values: torch.Tensor) -> torch.Tensor:
-        return values.clone() if values.untyped_storage().data_ptr() == storage else values
+        # one pointer a result (what the hooks pay for every tensor): in the buffer's memory?
+        inside = start <= values.data_ptr() < end and values.device == device
+        return values.clone() if inside else values
 
     # host floats (the kernels' values) view no buffer: only tensors may need a copy
     for result in measurement.results:

@@ -319,8 +319,8 @@ class NativeWorker:
             return self._track(job.start(queue), nbytes, job)
         except BaseException:
             if not self._tracks(job):
+                self._held -= nbytes  # first: a second interrupt may leave the drain
                 _native.drain(queue)
-                self._held -= nbytes
             raise
 
     def _tracks(self, job: ProfileJob | CopyJob) -> bool:

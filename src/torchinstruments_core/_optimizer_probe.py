@@ -213,8 +213,10 @@ class OptimizerProbe:
     # -- the hooks ----------------------------------------------------------------------------
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        if self._pending:
+            self._abandoned(optimizer)
         if not self._window.open or not self._window.claim(optimizer):
-            return None  # the unsampled step's whole cost
+            return None  # the unsampled step's whole cost (with the test above)
         self._stepping = True
         step = self._window.step
         # ``args`` starts with the optimizer itself: torch passes step's own positional arguments
@@ -275,6 +277,17 @@ class OptimizerProbe:
             )
         except Exception as error:  # observing must never break the training step
             self._failures.failed("measuring before an optimizer step", error, "step", _CONSEQUENCE)
+
+    def _abandoned(self, optimizer: torch.optim.Optimizer) -> None:
+        """Deliver the record of ``optimizer``'s last step, if it raised before its post-hook.
+
+        The record holds what was measured before that step; its post-hook never ran. Left
+        pending, the next step's post-hook would take it for its own (a step not recorded
+        runs the post-hook too) and form its updates from the parameters two steps apart.
+        """
+        if id(optimizer) in self._pending:
+            self._finish(id(optimizer))
+            self._stepping = bool(self._pending)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._pending:  # an unsampled step's whole cost is this test

@@ -111,9 +111,26 @@ class ParameterMap:
 
 
 def stepped(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """The parameters ``optimizer`` steps, group by group."""
+    """The parameters ``optimizer`` steps, group by group, each once.
+
+    A parameter listed twice in a group (which torch only warns about) is one parameter: one
+    set of rows and one copy for its update, which two entries would have formed twice in the
+    same buffer while a reduction read it.
+    """
+    for _, parameter in _stepped_with_groups(optimizer):
+        yield parameter
+
+
+def _stepped_with_groups(
+    optimizer: torch.optim.Optimizer,
+) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
+    """Each parameter ``optimizer`` steps, once, with the first group that lists it."""
+    seen: set[int] = set()
     for group in optimizer.param_groups:
-        yield from group["params"]
+        for parameter in group["params"]:
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                yield group, parameter
 
 
 def loss_scale(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
@@ -457,13 +474,12 @@ def optimizer_state(
     scalars such as ``step`` are left out. An Adam-family ``exp_avg_sq`` row also carries
     ``gradient_rms_ratio`` (see ``adam_ratio``).
     """
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            owner = parameters.owner(parameter)
-            state = optimizer.state.get(parameter) if owner is not None else None
-            if owner is None or not state:
-                continue
-            yield from _state_tensors(parameter, owner, state, group)
+    for group, parameter in _stepped_with_groups(optimizer):
+        owner = parameters.owner(parameter)
+        state = optimizer.state.get(parameter) if owner is not None else None
+        if owner is None or not state:
+            continue
+        yield from _state_tensors(parameter, owner, state, group)
 
 
 def _state_tensors(

@@ -265,5 +265,10 @@ class Reducer(Protocol):
         ...
 
     def reduce(self, tensor: PreparedTensor) -> torch.Tensor:
-        """Return a 1-D tensor of ``len(metrics)`` values on ``tensor.device``."""
+        """Return a 1-D tensor of ``len(metrics)`` values on ``tensor.device``.
+
+        It may be a view of ``tensor.values`` (a slice): the observer copies such a result
+        before anything can change the tensor it views, which may be the model's or the
+        optimizer's own (a gradient, read where it is).
+        """
         ...
