@@ -41,6 +41,7 @@ from torchinstruments_core._rows import RowPart, SampleRows
 from torchinstruments_core._signals import Signal
 from torchinstruments_core.run_directory import (
     RunDirectorySink,
+    _writer,
     _writer_launch,
     _writer_pipe,
     _writer_process,
@@ -220,13 +221,13 @@ def _record_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     write = os.write
     direct = threading.local()
 
-    def counted(self: _writer_process.ProcessWriter, payload: bytes) -> bool:
+    def counted(self: _writer_process.ProcessWriter, parcel: Any) -> bool:
         if not self._ready.is_set():
-            return write_now(self, payload)
-        paths["largest"] = max(paths["largest"], len(payload))
+            return write_now(self, parcel)
+        paths["largest"] = max(paths["largest"], len(parcel.payload))
         direct.active = True
         try:
-            written = write_now(self, payload)
+            written = write_now(self, parcel)
         finally:
             direct.active = False
         paths["queued"] += not written
@@ -435,17 +436,9 @@ def test_a_write_interrupted_by_ctrl_c_closes_the_pipe_and_counts_what_it_cost(
     the pipe is closed, the writer process writes what it holds and exits, training goes on
     unblocked, and the interrupted sample and every later one are counted as lost.
     """
-    model = Net()
-    sink = RunDirectorySink(tmp_path / "run", chunk_rows=1, flush_seconds=0.05)
-    observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
-    _train(model, 1)  # opens the run
-    _ready(sink)
-    _train(model, 3)
-    _caught_up(sink)
+    model, observer, _, writer = _opened(tmp_path)
     write, training = os.write, threading.get_ident()
     interrupt = [True]
-    writer = sink._writer
-    assert isinstance(writer, _writer_process.ProcessWriter)
     pipe = writer._to_writer
 
     def cut(fd: int, data: Any) -> int:
@@ -716,3 +709,184 @@ def test_a_path_object_on_sys_path_does_not_keep_the_process_from_starting(
     assert _ready(sink) != os.getpid()
     observer.remove()
     assert _result(tmp_path / "run")["samples"]["count"] == 2
+
+
+def _opened(tmp_path: pathlib.Path) -> tuple[Net, Any, RunDirectorySink, Any]:
+    """A sampled model whose run's writer process is ready, four samples written."""
+    model = Net()
+    sink = RunDirectorySink(tmp_path / "run", chunk_rows=1, flush_seconds=0.05)
+    observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+    _train(model, 1)  # opens the run
+    _ready(sink)
+    _train(model, 3)
+    _caught_up(sink)
+    writer = sink._writer
+    assert isinstance(writer, _writer_process.ProcessWriter)
+    return model, observer, sink, writer
+
+
+def test_a_writer_process_dying_as_the_run_closes_never_hangs_the_close(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process dies after ``finish`` queued its stop, before the sender took it.
+
+    The replies thread, finding the pipe's end, empties the queue of the samples lost with the
+    process; the stop went with them, and the sender, which ``finish`` waits for, waited for
+    an item forever (2 closes in 120 where the process was killed just before). Here the
+    replies thread marks the process dead at that very instant (the interpreter's switch
+    interval held long, so the sender does not run in between): the close returns, the
+    process counted as died, every sample before its death on disk.
+    """
+    _, observer, sink, writer = _opened(tmp_path)
+    entered, release = threading.Event(), threading.Event()
+    status = _writer_launch.exit_status
+
+    def held(process: Any) -> str:  # the replies thread, about to mark the process dead
+        entered.set()
+        release.wait(60)
+        return status(process)
+
+    monkeypatch.setattr(_writer_process, "exit_status", held)
+    os.kill(writer.pid, signal.SIGKILL)
+    assert entered.wait(30)
+    enqueue = _writer.enqueue
+
+    def stop_then_dead(items: Any, item: object, alive: Any) -> bool:
+        queued = enqueue(items, item, alive)
+        if item is _writer_process._STOP:
+            writer._mark_dead()  # what the replies thread does next
+            release.set()
+        return bool(queued)
+
+    monkeypatch.setattr(_writer_process, "enqueue", stop_then_dead)
+    caught: list[str] = []
+
+    def close() -> None:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            observer.remove()
+        caught.extend(str(warning.message) for warning in seen)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100)
+    try:
+        closer = threading.Thread(target=close, daemon=True)
+        closer.start()
+        closer.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+        release.set()
+    assert not closer.is_alive(), "the close waited for a sender that never stops"
+    assert sink.report is not None
+    assert sink.report.died
+    result = _result(tmp_path / "run")
+    lost = result["lost"]["samples"]
+    assert result["samples"]["count"] + lost == 4  # each written, or counted as lost
+    assert any("killed by SIGKILL" in message for message in caught), caught
+
+
+def test_ctrl_c_before_a_sample_reaches_the_pipe_counts_it_lost_and_the_run_goes_on(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt in ``put`` before any byte of the sample is written, caught.
+
+    The sample was never written nor queued: it is counted as lost, with its reason, where it
+    vanished (the run said complete, nothing lost); the pipe stays open and the samples after
+    it are written by the training thread itself, as before.
+    """
+    model, observer, _, writer = _opened(tmp_path)
+    set_blocking, training = os.set_blocking, threading.get_ident()
+    interrupt = [True]
+
+    def interrupted(fd: int, blocking: bool) -> None:
+        set_blocking(fd, blocking)
+        if interrupt and not blocking and threading.get_ident() == training:
+            interrupt.clear()
+            raise KeyboardInterrupt  # as Python raises it once the call returns
+
+    monkeypatch.setattr(os, "set_blocking", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _train(model, 1)
+    monkeypatch.setattr(os, "set_blocking", set_blocking)
+    assert not interrupt
+    assert writer._to_writer is not None  # nothing of it reached the pipe: still open
+    paths = _record_paths(monkeypatch)
+    messages = _train_and_remove(model, observer, 3)
+    assert paths["queued"] == 0  # written by the training thread, as before the interrupt
+    assert paths["written"] + paths["begun"] == 3
+    result = _result(tmp_path / "run")
+    assert result["status"] == "complete_with_losses"
+    assert result["samples"]["count"] == 7
+    assert result["lost"]["samples"] == 1
+    assert result["lost"]["rows"] == ROWS_PER_SAMPLE
+    assert any("interrupted" in message for message in messages), messages
+
+
+def test_ctrl_c_while_a_sample_waits_for_room_counts_it_lost_and_keeps_the_count(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt while ``put`` waits for room on the sender's queue (writer behind).
+
+    The sample never reached the queue: it is counted as lost, and the count of queued items
+    goes back to zero, so that the training thread writes the later samples itself again
+    (left at one, every later sample went through the sender thread).
+    """
+    model, observer, _, writer = _opened(tmp_path)
+    enqueue = _writer.enqueue
+    interrupt = [True]
+
+    def full(self: Any, parcel: Any) -> bool:
+        return False  # the pipe had no room: the sample is queued
+
+    def waiting(items: Any, item: object, alive: Any) -> bool:
+        if interrupt and item is not _writer_process._STOP and item is not _writer_process._CARRY:
+            interrupt.clear()
+            raise KeyboardInterrupt  # Ctrl-C while it waits for room
+        return bool(enqueue(items, item, alive))
+
+    monkeypatch.setattr(_writer_process.ProcessWriter, "_write_now", full)
+    monkeypatch.setattr(_writer_process, "enqueue", waiting)
+    with pytest.raises(KeyboardInterrupt):
+        _train(model, 1)
+    monkeypatch.undo()
+    assert not interrupt
+    assert writer._queued == 0
+    paths = _record_paths(monkeypatch)
+    messages = _train_and_remove(model, observer, 3)
+    assert paths["queued"] == 0
+    result = _result(tmp_path / "run")
+    assert result["samples"]["count"] == 7
+    assert result["lost"]["samples"] == 1
+    assert any("interrupted" in message for message in messages), messages
+
+
+def test_ctrl_c_while_the_writer_thread_is_behind_counts_the_sample_lost(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``writer="thread"``: a KeyboardInterrupt while ``put`` waits for room on its queue.
+
+    The sample never got on the queue: it is counted as lost (reason: interrupted) where it
+    vanished, and the run goes on.
+    """
+    model = Net()
+    sink = RunDirectorySink(tmp_path / "run", chunk_rows=1, flush_seconds=0.05, writer="thread")
+    observer = inject_observer(model, sampler=AlwaysSampler(), sink=sink)
+    _train(model, 4)
+    enqueue = _writer.enqueue
+    interrupt = [True]
+
+    def waiting(items: Any, item: object, alive: Any) -> bool:
+        if interrupt and isinstance(item, SampleRecord):
+            interrupt.clear()
+            raise KeyboardInterrupt  # Ctrl-C while it waits for room
+        return bool(enqueue(items, item, alive))
+
+    monkeypatch.setattr(_writer, "enqueue", waiting)
+    with pytest.raises(KeyboardInterrupt):
+        _train(model, 1)
+    monkeypatch.undo()
+    messages = _train_and_remove(model, observer, 3)
+    result = _result(tmp_path / "run")
+    assert result["samples"]["count"] == 7
+    assert result["lost"]["samples"] == 1
+    assert any("interrupted" in message for message in messages), messages

@@ -52,6 +52,26 @@ if TYPE_CHECKING:
 
 _STOP = object()
 _POLL_SECONDS = 0.5  # how often a training thread blocked on a full queue checks the writer
+INTERRUPTED = "interrupted (KeyboardInterrupt) before it was handed to the writer"
+"""The reason a sample lost to an interrupt in a writer's ``put`` is counted under."""
+
+
+class CountedQueue(queue.Queue[object]):
+    """A queue that counts the items ever put on it (``puts``, under the queue's own lock).
+
+    A ``put`` interrupted while it waited for room (a Ctrl-C) tells from it whether its item
+    got on the queue: one thread puts, so the count moved exactly when it did.
+    """
+
+    def __init__(self, maxsize: int = 0) -> None:
+        super().__init__(maxsize)
+        self.puts = 0
+
+    def _put(self, item: object) -> None:
+        super()._put(item)
+        self.puts += 1
+
+
 BATCH_ROWS = 4096
 """Rows of samples made into one frame (``_tables.history_frames``); a larger sample is its own."""
 
@@ -174,7 +194,7 @@ class ChunkWriter(PendingError):
         self._layout = layout
         self._chunk_rows = chunk_rows
         self._flush_seconds = flush_seconds
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
+        self._queue = CountedQueue(maxsize=queue_size)
         self._on_sample = tuple(on_sample)
         self._on_written = tuple(on_written)
         self._on_chunk = on_chunk
@@ -199,9 +219,19 @@ class ChunkWriter(PendingError):
     def put(self, sample: SampleRecord) -> None:
         """Queue a sample; then raise (once) the error of a failure the writer reported.
 
-        Never waits on a dead writer: the sample is counted as lost instead.
+        Never waits on a dead writer: the sample is counted as lost instead. An interrupt while
+        it waits for room (a Ctrl-C, the writer behind) counts it as lost too, and propagates.
+        Called by one thread at a time (the sink's).
         """
-        if self._report.died or not self._enqueue(sample):
+        puts = self._queue.puts
+        try:
+            queued = not self._report.died and self._enqueue(sample)
+        except BaseException:
+            if self._queue.puts == puts:  # it never got on the queue
+                with self._lock:
+                    self._report.losses.add([len(sample.rows)], INTERRUPTED)
+            raise
+        if not queued:
             with self._lock:
                 self._report.losses.add([len(sample.rows)], self._death_reason())
         self._raise_pending()

@@ -33,7 +33,11 @@ Failures (nothing may hang, nothing may be lost silently):
 - The training process dies: the writer reads the end of its pipe, writes what it holds as a
   last chunk and exits, leaving the run to ``repair``.
 - A KeyboardInterrupt cuts a sample's write short (``_write_now``): the pipe is closed after
-  it, as if the training process had died, and the samples from that one on count as lost.
+  it, as if the training process had died, and the samples from that one on count as lost. One
+  that comes before a sample is written or queued (``put``, waiting for room on the queue)
+  counts that sample as lost, and the run goes on.
+- The process dies as the run closes, after ``finish`` queued its stop: the stop stays on the
+  queue for the sender, which ``finish`` waits for (``_drain``).
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ import weakref
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from torchinstruments_core.run_directory._writer import (
+    INTERRUPTED,
     ChunkWriter,
+    CountedQueue,
     Losses,
     PendingError,
     WriterReport,
@@ -84,6 +90,16 @@ _EXIT_SECONDS = 30.0
 """How long a process that sent its report may take to exit before it is killed."""
 
 
+class _Parcel:
+    """A sample for the writer process, and whether ``_write_now`` sent it (for an interrupt)."""
+
+    __slots__ = ("payload", "sample", "sent")
+
+    def __init__(self, sample: SampleRecord, payload: bytes | None) -> None:
+        self.sample, self.payload = sample, payload
+        self.sent = False  # all of it written, or the rest left to the sender (``_write_now``)
+
+
 class ProcessWriter(PendingError):
     """Hands samples to a writer process; the same calls as ``ChunkWriter``.
 
@@ -101,7 +117,7 @@ class ProcessWriter(PendingError):
     def __init__(self, settings: WriterSettings, *, in_process: Callable[[], ChunkWriter]) -> None:
         self._settings = settings
         self._in_process = in_process
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=settings.queue_size)
+        self._queue = CountedQueue(maxsize=settings.queue_size)
         self._lock = threading.Lock()
         self._unwritten: collections.deque[int] = collections.deque()  # rows of each sample
         self._extra = Losses()  # samples given to a writer already dead
@@ -124,6 +140,7 @@ class ProcessWriter(PendingError):
         self._count_lock = threading.Lock()  # never held while anything waits
         self._queued = 0  # items on the queue, or taken off it and not yet written
         self._carry: memoryview | None = None  # what the pipe did not take of a direct write
+        self._cut = False  # a direct write was interrupted: the pipe's end counts the rest
         self._sender = threading.Thread(
             target=self._send_loop, name="torchinstruments-writer-pipe", daemon=True
         )
@@ -163,7 +180,9 @@ class ProcessWriter(PendingError):
     def put(self, sample: SampleRecord) -> None:
         """Queue a sample; then raise (once) the error of a failure the writer reported.
 
-        Never waits on a dead writer: the sample is counted as lost instead.
+        Never waits on a dead writer: the sample is counted as lost instead. An interrupt
+        before the sample is written or queued (a Ctrl-C while the queue has no room) counts
+        it as lost, and propagates. Called by one thread at a time (the sink's).
         """
         payload = None if self._ready.is_set() and not self._usable else encode(sample)
         rows = len(sample.rows)
@@ -173,11 +192,32 @@ class ProcessWriter(PendingError):
                 self._extra.add([rows], self._death_reason())
             elif self._thread_writer is None:  # lost if the process dies before its chunk
                 self._unwritten.append(rows)
-        if not dead and (payload is None or not self._write_now(payload)):
-            self._enqueue((sample, payload))  # False if it died meanwhile: counted as above
+        if not dead:
+            parcel, puts = _Parcel(sample, payload), self._queue.puts
+            try:
+                if payload is None or not self._write_now(parcel):
+                    self._enqueue(parcel)  # False if it died meanwhile: counted as above
+            except BaseException:
+                self._interrupted(parcel, rows, queued=self._queue.puts != puts)
+                raise
         self._raise_pending()
 
-    def _write_now(self, payload: bytes) -> bool:
+    def _interrupted(self, parcel: _Parcel, rows: int, *, queued: bool) -> None:
+        """``put`` was interrupted: count its sample as lost if it is not on its way.
+
+        One written, or ``queued`` (the queue's count of items put moved: one thread puts),
+        goes on, or is counted lost with the process; one whose write was cut short is counted
+        with the pipe's end (``_cut_short``). Only one that never reached the pipe or the
+        queue is counted here, its rows taken back out of those the process owes.
+        """
+        if parcel.sent or queued or self._cut:
+            return
+        with self._lock:
+            if self._thread_writer is None and self._unwritten:
+                self._unwritten.pop()  # this sample's: the last one put
+            self._extra.add([rows], INTERRUPTED)
+
+    def _write_now(self, parcel: _Parcel) -> bool:
         """Write a sample's message to the pipe from this thread, if that needs no waiting.
 
         The sender thread takes each queued sample with the GIL, which it must win from the
@@ -192,8 +232,10 @@ class ProcessWriter(PendingError):
 
         Returns:
             Whether the message is on its way (all of it written, or the rest left to the
-            sender); ``False``: nothing was written, queue the sample.
+            sender; ``parcel.sent`` says so too); ``False``: nothing was written, queue it.
         """
+        payload = parcel.payload
+        assert payload is not None, "a parcel written directly was encoded"
         if not self._usable or self._dead or not self._ready.is_set():
             return False
         try:
@@ -227,6 +269,7 @@ class ProcessWriter(PendingError):
                         with self._count_lock:
                             self._queued -= 1
                 began = False
+                parcel.sent = True
                 return True
             except BaseException:
                 # interrupted (a KeyboardInterrupt raised as the write returned) before the rest
@@ -247,6 +290,7 @@ class ProcessWriter(PendingError):
         samples it had not written, and every later one, are counted as lost.
         """
         self._failure = self._failure or "a sample's write to it was interrupted"
+        self._cut = True
         pipe, self._to_writer = self._to_writer, None
         if pipe is not None:
             try:  # noqa: SIM105 (no call of suppress's between them for an interrupt to stop at)
@@ -292,13 +336,20 @@ class ProcessWriter(PendingError):
             return report
 
     def _enqueue(self, item: object) -> bool:
-        """Put ``item`` on the queue unless the process is dead; whether it was queued."""
+        """Put ``item`` on the queue unless the process is dead; whether it was queued.
+
+        Counted (``_queued``) until the sender has written it; an item not queued after all
+        (the process died, or an interrupt came while the queue had no room) is not.
+        """
         with self._count_lock:  # counted first: no direct write may overtake it
             self._queued += 1
-        queued = enqueue(self._queue, item, lambda: not self._dead)
-        if not queued:
-            with self._count_lock:
-                self._queued -= 1
+        queued, puts = False, self._queue.puts
+        try:
+            queued = enqueue(self._queue, item, lambda: not self._dead)
+        finally:
+            if not queued and self._queue.puts == puts:  # not on the queue after all
+                with self._count_lock:
+                    self._queued -= 1
         return queued
 
     def _death_reason(self) -> str:
@@ -306,12 +357,21 @@ class ProcessWriter(PendingError):
         return f"the writer process of {self._settings.layout.root} had stopped ({reason})"
 
     def _drain(self) -> None:
-        """Empty the queue: its samples are in ``_unwritten``, lost with the process."""
+        """Empty the queue: its samples are in ``_unwritten``, lost with the process.
+
+        The stop ``finish`` queued, if it is there, goes back on: the sender must still take it
+        (``finish`` waits for it to end), where the process died after ``finish`` queued it and
+        before the sender woke.
+        """
+        stop = False
         while True:
             try:
-                self._queue.get_nowait()
+                stop = self._queue.get_nowait() is _STOP or stop
             except queue.Empty:
-                return
+                break
+        if stop:
+            with contextlib.suppress(queue.Full):  # emptied just now: there is room
+                self._queue.put_nowait(_STOP)
 
     # -- the sender thread ----------------------------------------------------------------------
 
@@ -348,10 +408,10 @@ class ProcessWriter(PendingError):
                         write_all(pipe, message(("finish",)))
                         break
                     if item is not _CARRY:
-                        sample, payload = cast("tuple[SampleRecord, bytes | None]", item)
-                        data = encode(sample) if payload is None else payload
+                        parcel = cast("_Parcel", item)
+                        data = encode(parcel.sample) if parcel.payload is None else parcel.payload
                         write_all(pipe, sample_message(data))
-                        del sample, payload, data
+                        del parcel, data
                 del carry, item
                 with self._count_lock:
                     self._queued -= 1
@@ -391,7 +451,7 @@ class ProcessWriter(PendingError):
             if item is _STOP:
                 return
             try:
-                writer.put(item[0])  # type: ignore[index]
+                writer.put(cast("_Parcel", item).sample)
             except OSError as error:
                 with self._lock:
                     self._error = error
