@@ -174,16 +174,28 @@ class ReductionWorker:
         except BaseException:
             self._release(reserved)
             raise
+        entry = (job, reserved, buffer, nbytes)
         with self._lock:
-            if self._spares.bytes:  # a copy made without ``buffer`` did not trim them
-                self._spares.trim(self._budget - self._held)
-            if not self._closed and self._running():
-                self._jobs.append((job, reserved, buffer, nbytes))
-                self._submitted += 1
-                self._queued += nbytes
-                if self._queued >= self._wake_bytes or self._waiters:
-                    self._work.notify()
-                return self._submitted
+            try:
+                if self._spares.bytes:  # a copy made without ``buffer`` did not trim them
+                    self._spares.trim(self._budget - self._held)
+                if not self._closed and self._running():
+                    # counted, then queued, with no call between them: an interrupt (which
+                    # Python raises once a call returns) finds the job queued and counted, or
+                    # neither
+                    self._submitted += 1
+                    self._queued += nbytes
+                    self._jobs.append(entry)
+                    if self._queued >= self._wake_bytes or self._waiters:
+                        self._work.notify()
+                    return self._submitted
+            except BaseException:
+                # an interrupt (a Ctrl-C while the thread starts) before the job was queued:
+                # the room it reserved goes back, or a later hand-over would wait for it for
+                # good. The lock is held: the worker cannot have taken it meanwhile.
+                if not any(queued is entry for queued in self._jobs):
+                    self._release(reserved)
+                raise
         # closed meanwhile (removal from another thread), or no thread could start: run it here
         try:
             job()
@@ -245,17 +257,23 @@ class ReductionWorker:
             thread.join()
 
     def _running(self) -> bool:
-        """Start the thread if there is none yet; whether it runs (it may fail to start)."""
-        if self._thread is None:
-            thread = threading.Thread(
+        """Start the thread if there is none yet; whether it runs (it may fail to start).
+
+        The thread is known before it starts: an interrupt in ``start`` (which waits for the
+        thread to run) must not leave it running unknown, beside a second one started later.
+        One an interrupt kept from starting is not started again: the caller reduces instead.
+        """
+        thread = self._thread
+        if thread is None:
+            thread = self._thread = threading.Thread(
                 target=self._run, name="torchinstruments-reductions", daemon=True
             )
             try:
                 thread.start()
             except RuntimeError:  # "can't start new thread": the caller reduces instead
+                self._thread = None
                 return False
-            self._thread = thread
-        return self._thread.is_alive()
+        return thread.is_alive()
 
     def _run(self) -> None:
         while True:

@@ -45,13 +45,24 @@ class DeliveryQueue:
         self._run_id = run_id
         self._gate = gate
         self._pid = os.getpid()  # only this process delivers samples
-        self._in_flight: collections.deque[tuple[Sample, HostTransfer]] = collections.deque()
+        # each closed sample, with its transfer (``None``: its settle was interrupted, ``push``)
+        self._in_flight: collections.deque[tuple[Sample, HostTransfer | None]] = collections.deque()
         self._draining = False
 
     def push(self, sample: Sample) -> None:
-        """Start moving ``sample``'s values to the host and queue it for delivery."""
+        """Start moving ``sample``'s values to the host and queue it for delivery.
+
+        An interrupt while it waits for the CPU reduction worker (a Ctrl-C at the end of a
+        sampled backward, where the training thread waits) still queues it: the next drain
+        settles it, the worker having run its jobs meanwhile, and delivers it in its turn.
+        """
         started = time.perf_counter()
-        error = sample.settle()  # waits for the CPU reduction worker's jobs of this sample
+        try:
+            error = sample.settle()  # waits for the CPU reduction worker's jobs of this sample
+        except BaseException:
+            with self._lock:
+                self._in_flight.append((sample, None))
+            raise
         transfer = sample.start_transfer()
         sample.duration_s += time.perf_counter() - started
         with self._lock:
@@ -65,6 +76,7 @@ class DeliveryQueue:
         # have taken the last sample off the queue and be writing it, under the lock.
         if not wait and not self._in_flight:
             return
+        deferred: Exception | None = None  # a settle's error, raised once delivered (``push``)
         # a SIGTERM meanwhile finalizes once the lock is let go (``handing_over``)
         with handing_over(), self._lock:
             if self._draining:
@@ -73,12 +85,18 @@ class DeliveryQueue:
             try:
                 while self._in_flight:
                     sample, transfer = self._in_flight[0]
+                    if transfer is None:  # its settle was interrupted (``push``): again now
+                        deferred = sample.settle() or deferred
+                        transfer = sample.start_transfer()
+                        self._in_flight[0] = (sample, transfer)
                     if not wait and not transfer.ready():
                         break
                     self._in_flight.popleft()
                     self._deliver(sample, transfer)
             finally:
                 self._draining = False
+        if deferred is not None:
+            raise deferred
 
     def abandon(self, lock: threading.RLock) -> None:
         """Drop every queued sample and use ``lock`` from now on (in a child made by ``fork``)."""
