@@ -365,3 +365,66 @@ def test_concurrent_forwards_from_threads_are_separate_samples() -> None:
         assert mean == pytest.approx(expected[name], rel=1e-6)
         seen[name] += 1
     assert seen == {"a": rounds, "b": rounds}
+
+
+SIGTERM_IN_A_HOOK = """
+import os, signal, sys, torch
+from torch import nn
+from torchinstruments_core import AlwaysSampler, _copy_buffers, _probe, inject_observer
+from torchinstruments_core.run_directory import RunDirectorySink
+where = sys.argv[2]
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+observer = inject_observer(
+    model, sampler=AlwaysSampler(), sink=RunDirectorySink(sys.argv[1]), optimizer=optimizer
+)
+
+def step():
+    model(torch.randn(8, 4)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+for _ in range(2):
+    step()
+fired = []
+
+def sigterm():  # the scheduler's SIGTERM, handled before the next call returns
+    if not fired:
+        fired.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.getsignal(signal.SIGTERM)
+
+if where == "gradient hook":  # inside ``with sample.lock`` of a gradient hook
+    queue_callback = _probe.queue_callback
+    _probe.queue_callback = lambda callback: (sigterm(), queue_callback(callback))[1]
+elif where == "copy buffers":  # inside ``with self._lock`` of CopyBuffers.lend
+    free = _copy_buffers.CopyBuffers._free
+    _copy_buffers.CopyBuffers._free = lambda self, *a: (sigterm(), free(self, *a))[1]
+else:  # inside ``remove``, before the run's finalizing began
+    detach = observer._samples.attachment.detach
+    observer._samples.attachment.detach = lambda: (sigterm(), detach())[1]
+    observer.remove()
+step()
+print("still running", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["gradient hook", "copy buffers", "remove"])
+def test_a_sigterm_inside_the_observer_s_own_locks_ends_the_process_finalized(
+    tmp_path: pathlib.Path, where: str
+) -> None:
+    """SIGTERM between two bytecodes of the observer's own code, holding its locks or removing.
+
+    Python runs the handler on the main thread right there: in a gradient hook holding its
+    sample's lock, in the optimizer's pre-hook lending a parameter's copy buffer (plain locks,
+    which the handler's finalizing took again on the same thread: the process waited for
+    itself until SIGKILL), or in ``remove`` before its finalizing began (the handler found
+    the observer stopped and ended the process with the run unfinalized). Each time the run is
+    finalized, then the process ends by SIGTERM.
+    """
+    done = _run(SIGTERM_IN_A_HOOK, str(tmp_path / "run"), where, timeout=120)
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-2000:])
+    assert "still running" not in done.stdout
+    history = _complete_run(tmp_path / "run")
+    assert history.height > 0

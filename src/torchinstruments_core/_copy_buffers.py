@@ -22,10 +22,9 @@ pool safe for optimizers stepped on several threads at once.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from torchinstruments_core._locks import lock
 from torchinstruments_core._torch_private import storage_holders
 
 COPY_BUFFER_BYTES = 64 * 2**20
@@ -55,7 +54,7 @@ class CopyBuffers:
 
     def __init__(self, limit: int = COPY_BUFFER_BYTES) -> None:
         self.limit = limit
-        self._lock = threading.Lock()
+        self._lock = lock()
         # per (dtype, shape): [buffer, its storage's use count when only the pool holds it]
         self._buffers: dict[tuple[torch.dtype, torch.Size], list[tuple[torch.Tensor, int]]] = {}
         self._kept = 0

@@ -12,8 +12,9 @@ module hook fires on real tensors, and the compiled graphs of unsampled forwards
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar
+
+from torchinstruments_core._locks import lock
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -40,7 +41,7 @@ class _EagerStance:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = lock()
         self._holders = 0
         self._stance: Any = None
 

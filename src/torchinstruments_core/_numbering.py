@@ -31,6 +31,7 @@ from torchinstruments_core._exceptions import (
     ObservationWarning,
     raise_collected,
 )
+from torchinstruments_core._locks import lock
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -62,7 +63,7 @@ class StepNumbering:
         self._open = -1  # the step whose window is open; -1 before the first forward
         self._offset = 0  # the user's number minus ours, from the last log
         self._numbers: dict[int, int] = {}
-        self._lock = threading.Lock()  # number() may run on an autograd thread (a sample's end)
+        self._lock = lock()  # number() may run on an autograd thread (a sample's end)
 
     @property
     def step(self) -> int:

@@ -295,14 +295,15 @@ class Observer:
 
     def remove(self) -> None:
         """Remove every hook, deliver every sample and close the sink. Safe to call again."""
-        self._optimizers.remove()
-        if not self._samples.stop():
-            return
-        self._samples.attachment.detach()
-        _process.unregister(self)
-        self._samples.cut_short()  # a forward cut short (an exception) keeps what it measured
-        # a SIGTERM meanwhile ends the process once the run is finalized
+        # a SIGTERM meanwhile ends the process once the run is finalized: from the first step,
+        # since the handler's own removal of this observer does nothing once it is stopped
         with _process.handing_over():
+            self._optimizers.remove()
+            if not self._samples.stop():
+                return
+            self._samples.attachment.detach()
+            _process.unregister(self)
+            self._samples.cut_short()  # a forward cut short (an exception) keeps what it measured
             try:
                 if self._gate.enabled:
                     try:

@@ -13,12 +13,12 @@ covers only what followed its last reading (the README says so).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from torchinstruments_core._locks import lock
 from torchinstruments_core._records import Signal, StatRow, UnavailableReason
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class PeakTracker:
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
-        self._lock = threading.Lock()
+        self._lock = lock()
         self._open: list[Window] = []
 
     def open(self) -> Window:

@@ -11,13 +11,13 @@ turns them into a ``SampleRecord`` of rows and histograms.
 from __future__ import annotations
 
 import math
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from torchinstruments_core._locks import lock
 from torchinstruments_core._measurement import shareable
 from torchinstruments_core._recompute import RecomputeLedger
 from torchinstruments_core._records import (
@@ -95,7 +95,7 @@ class Sample:
         self.recompute = RecomputeLedger()
         self.timestamp = timestamp
         self.gradient_scale = gradient_scale
-        self.lock = threading.Lock()
+        self.lock = lock()
         self.closed = False
         self.backward_task: int | None = None
         self.duration_s = 0.0

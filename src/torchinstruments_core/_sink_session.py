@@ -7,10 +7,10 @@ that fails never breaks training under ``error_policy="warn"`` (see ``_failures`
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
 from torchinstruments_core._failures import SINK_CONSEQUENCE
+from torchinstruments_core._locks import lock
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -38,7 +38,7 @@ class SinkSession:
         self._failures = failures
         self._describe = describe
         self._opened = False
-        self._lock = threading.Lock()  # two threads may start their first samples at once
+        self._lock = lock()  # two threads may start their first samples at once
 
     def open(self) -> None:
         """Open the sink, the first time only."""

@@ -14,12 +14,12 @@ Example:
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch.profiler import ProfilerActivity, profile
 
+from torchinstruments_core._locks import lock
 from torchinstruments_core._signals import tensor_root_of
 from torchinstruments_core._torch_private import memory_events
 
@@ -38,7 +38,7 @@ class RecordingSink:
         self.run: RunInfo | None = None
         self.samples: list[SampleRecord] = []
         self.closed = False
-        self._lock = threading.Lock()
+        self._lock = lock()
 
     def open(self, run: RunInfo) -> None:
         """Remember the run."""
