@@ -52,14 +52,15 @@ class DeliveryQueue:
     def push(self, sample: Sample) -> None:
         """Start moving ``sample``'s values to the host and queue it for delivery.
 
-        An interrupt while it waits for the CPU reduction worker (a Ctrl-C at the end of a
-        sampled backward, where the training thread waits) still queues it: the next drain
-        settles it, the worker having run its jobs meanwhile, and delivers it in its turn.
+        A ``KeyboardInterrupt`` while it waits for the CPU reduction worker (a Ctrl-C at the end
+        of a sampled backward, where the training thread waits) still queues it: the next
+        drain settles it, the worker having run its jobs meanwhile, and delivers it in its
+        turn.
         """
         started = time.perf_counter()
         try:
             error = sample.settle()  # waits for the CPU reduction worker's jobs of this sample
-        except BaseException:
+        except KeyboardInterrupt:
             with self._lock:
                 self._in_flight.append((sample, None))
             raise
@@ -86,8 +87,12 @@ class DeliveryQueue:
                 while self._in_flight:
                     sample, transfer = self._in_flight[0]
                     if transfer is None:  # its settle was interrupted (``push``): again now
-                        deferred = sample.settle() or deferred
-                        transfer = sample.start_transfer()
+                        try:
+                            deferred = sample.settle() or deferred
+                            transfer = sample.start_transfer()
+                        except Exception:  # it cannot be settled: dropped, as ``push`` drops it
+                            self._in_flight.popleft()
+                            raise
                         self._in_flight[0] = (sample, transfer)
                     if not wait and not transfer.ready():
                         break
