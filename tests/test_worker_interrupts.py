@@ -156,3 +156,45 @@ def test_an_interrupt_while_a_sample_waits_for_the_worker_still_delivers_it(
     assert caught == 1
     assert [s.sample_id for s in sink.samples] == [0, 1, 2, 3]
     assert all(r.value is not None for s in sink.samples for r in s.rows if r.metric == "mean")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_deferred_sample_that_cannot_be_settled_is_dropped_not_left_first_in_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sample whose settle was interrupted, then fails when the next drain settles it again.
+
+    That drain (at the next forward's start) raises the failure once, that forward not run,
+    and drops the sample; left first in line it would have raised at every later drain and
+    held back every later sample, which are delivered.
+    """
+    from torchinstruments_core import _sample
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 8))
+    sink = RecordingSink()
+    observer = inject_observer(
+        model, sampler=AlwaysSampler(), sink=sink, background_reductions=True
+    )
+    settle, calls = _sample.Sample.settle, {"count": 0}
+
+    def failing(self: _sample.Sample) -> Exception | None:
+        if self.sample_id == 1:
+            calls["count"] += 1
+            if calls["count"] == 1:
+                raise KeyboardInterrupt  # as the end of the backward waits for the worker
+            raise RuntimeError("cannot be settled")
+        return settle(self)
+
+    monkeypatch.setattr(_sample.Sample, "settle", failing)
+    x = torch.randn(256, 64)
+    raised = []
+    for step in range(5):
+        try:
+            model(x).pow(2).mean().backward()
+        except (KeyboardInterrupt, RuntimeError) as error:
+            raised.append((step, type(error).__name__))
+    observer.remove()
+    assert raised == [(1, "KeyboardInterrupt"), (2, "RuntimeError")]
+    assert calls["count"] == 2
+    assert [s.sample_id for s in sink.samples] == [0, 2, 3]  # steps 0, 3 and 4
