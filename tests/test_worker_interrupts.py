@@ -93,6 +93,7 @@ def test_an_interrupt_while_the_worker_thread_starts_leaves_one_thread(
     thread, the room of the interrupted job is back, and every later job runs.
     """
     worker = ReductionWorker()
+    before = set(threading.enumerate())  # other tests' workers may not have ended yet
     start = threading.Thread.start
 
     def interrupted(self: threading.Thread) -> None:
@@ -114,7 +115,8 @@ def test_an_interrupt_while_the_worker_thread_starts_leaves_one_thread(
     worker.wait()
     assert tickets == [1, 2]
     assert ran == [1, 2]
-    threads = [t for t in threading.enumerate() if t.name == "torchinstruments-reductions"]
+    started = set(threading.enumerate()) - before
+    threads = [t for t in started if t.name == "torchinstruments-reductions"]
     assert threads == [worker._thread]
     worker.close()
 
