@@ -702,3 +702,46 @@ def test_quantiles_between_the_largest_floats_of_both_signs_are_finite(
     expected = np.quantile(ordered, levels) * 2
     assert np.isfinite(result).all()
     np.testing.assert_allclose(result, expected, rtol=1e-6)
+
+
+def _shares_memory(result: torch.Tensor, tensor: torch.Tensor) -> bool:
+    storage = tensor.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    mine = result.untyped_storage()
+    return mine.data_ptr() < end and start < mine.data_ptr() + mine.nbytes()
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(1000),
+        torch.randn(64, 64, dtype=torch.float64),
+        torch.randn(300).to(torch.bfloat16),
+        torch.tensor([1.0, math.nan, -math.inf, 2.0, 0.0]),
+        torch.tensor([3.0]),
+        torch.randn(40, 40)[:, ::2],
+        torch.full((7,), math.nan),
+    ],
+    ids=["float32", "float64", "bfloat16", "nonfinite", "one", "strided", "all-nan"],
+)
+def test_the_built_in_reducers_results_never_view_what_they_reduce(tensor: torch.Tensor) -> None:
+    """What ``Measurer`` relies on to skip ``unalias`` unless a reducer is not built in.
+
+    Each built-in reducer's result is a host value or a tensor of its own storage, whatever the
+    tensor (every path: the kernels', torch's with masks, exact quartiles of a few entries).
+    """
+    from torchinstruments_core.reducers import PrecisionReducer
+
+    reducers: list[Reducer | HistogramReducer] = [
+        MomentsReducer(),
+        QuantileReducer(),
+        QuantileReducer(exact=True),
+        PrecisionReducer(),
+        HistogramReducer(bins=8),
+    ]
+    for reducer in reducers:
+        prepared = PreparedTensor(tensor, torch.Generator().manual_seed(0))
+        result = reducer.reduce(prepared)
+        if isinstance(result, torch.Tensor):
+            assert not _shares_memory(result, tensor), reducer
+            assert not _shares_memory(result, prepared.values), reducer

@@ -39,7 +39,10 @@ from torchinstruments_core._records import UnavailableReason
 from torchinstruments_core._torch_private import version
 from torchinstruments_core.reducers import (
     HistogramReducer,
+    MomentsReducer,
+    PrecisionReducer,
     PreparedTensor,
+    QuantileReducer,
     Reducer,
     _native,
     working_dtype,
@@ -55,6 +58,9 @@ if TYPE_CHECKING:
 _QUEUED_DTYPES = frozenset((torch.float32, torch.float64))
 """The dtypes ``Measurer.measure`` hands to the kernels' queue without ``plain_tensor``: those
 the kernels read (``_native.usable``), in which a tensor is its own working-dtype values."""
+
+_FRESH = frozenset((MomentsReducer, QuantileReducer, PrecisionReducer, HistogramReducer))
+"""The built-in reducers (exactly these classes): their results never view their input."""
 
 SMALL_SAMPLE_ENTRIES = 2**19
 """With ``background=None``, what is measured from one forward sample's start to the next's
@@ -110,6 +116,8 @@ class Measurer:
         self._reducer_metrics = tuple(r.metrics for r in self.reducers)
         # the built-in reducers' CPU work in one call of the compiled kernels (same values)
         self._fused = FusedReductions.plan(self.reducers, histogram)
+        # whether a result may view what was reduced: only a reducer not built in (``unalias``)
+        self._views = not all(type(r) in _FRESH for r in (*self.reducers, histogram))
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._samples = 0  # samples started: each one's subsample positions have their seed
@@ -509,7 +517,7 @@ class Measurer:
 
         def job() -> None:
             self._fill(copy, measurement, with_histogram, cache, source_dtype)
-            if aliased is not None:  # a result that is a view of it gets storage of its own
+            if aliased is not None and self._views:  # a view of it gets storage of its own
                 unalias(measurement, aliased)
             for error in measurement.errors:  # its frames would keep the copy alive
                 forget_frames(error)
@@ -554,7 +562,10 @@ class Measurer:
         # storage of its own: it is read when the sample is delivered. The flat working-dtype
         # copy made here must not stay alive until then, and a tensor read where it is changes
         # before then (a gradient the optimizer's step writes into, the copy of a parameter its
-        # update is formed in, an output changed in place by the next layer).
+        # update is formed in, an output changed in place by the next layer). The built-in
+        # reducers' results are new tensors or host floats: checked only beside a custom one.
+        if not self._views:
+            return
         if plain.layout == torch.strided:
             unalias(measurement, plain)
         if prepared.values is not plain:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from torchinstruments_core._measurement import forget_frames, unalias
+from torchinstruments_core._measurement import forget_frames
 from torchinstruments_core._native_worker import ProfileJob
 from torchinstruments_core.reducers import PreparedTensor, _native
 
@@ -92,8 +92,8 @@ class QueuedFill(ProfileJob):
             )
             return
         with_histogram, cache = self._with_histogram, self._cache
+        # ``_fill`` gives a custom reducer's view of the copy storage of its own
         measurer._fill(values, measurement, with_histogram, cache, self._source_dtype, fused=False)
-        unalias(measurement, values)  # nothing the reducers give may keep the copy alive
         for error in measurement.errors:  # their frames would keep it alive too
             forget_frames(error)
 

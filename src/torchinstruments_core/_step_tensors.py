@@ -110,27 +110,36 @@ class ParameterMap:
         return id(parameter) in self._model_ids
 
 
-def stepped(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+def stepped(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The parameters ``optimizer`` steps, group by group, each once.
 
     A parameter listed twice in a group (which torch only warns about) is one parameter: one
     set of rows and one copy for its update, which two entries would have formed twice in the
-    same buffer while a reduction read it.
+    same buffer while a reduction read it. Called several times a recorded step: a list, and
+    the usual case (no parameter listed twice) checked with one set of ids.
     """
-    for _, parameter in _stepped_with_groups(optimizer):
-        yield parameter
+    listed = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    if len(set(map(id, listed))) == len(listed):
+        return listed
+    return [parameter for _, parameter in _stepped_with_groups(optimizer)]
 
 
 def _stepped_with_groups(
     optimizer: torch.optim.Optimizer,
-) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
+) -> list[tuple[dict[str, Any], torch.Tensor]]:
     """Each parameter ``optimizer`` steps, once, with the first group that lists it."""
+    listed = [
+        (group, parameter) for group in optimizer.param_groups for parameter in group["params"]
+    ]
+    if len({id(parameter) for _, parameter in listed}) == len(listed):
+        return listed
     seen: set[int] = set()
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            if id(parameter) not in seen:
-                seen.add(id(parameter))
-                yield group, parameter
+    once = []
+    for group, parameter in listed:
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            once.append((group, parameter))
+    return once
 
 
 def loss_scale(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
