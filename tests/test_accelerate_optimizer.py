@@ -219,3 +219,43 @@ def test_a_large_weight_copied_on_the_kernels_queue_gives_the_optimizers_update(
     for k in (0, 2):
         expected = reference.update_to_weight[k]["net.2.weight"]
         assert ratio[FIRST + k] == pytest.approx(expected, rel=1e-5)
+
+
+class _OwnAdamW(torch.optim.AdamW):
+    """A user's subclass whose ``step`` calls the one it overrides."""
+
+    def step(self, closure: Any = None) -> Any:
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["optimizer=", "found"])
+def test_a_subclass_step_calling_its_parent_s_is_one_step(
+    tmp_path: pathlib.Path, given: bool
+) -> None:
+    """With ``AdamW.step`` hooked too, torch runs both calls' hooks; the tracker counts one step.
+
+    ``every_n_steps=2`` samples steps 0, 2 and 4 of six (counted twice a step, every step was
+    sampled), each with one whole step record.
+    """
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # torch hooks ``AdamW.step``
+    telemetry = TelemetryTracker(every_n_steps=2, output_dir=tmp_path / "run")
+    accelerator = tensorboard_accelerator(tmp_path, telemetry, 1)
+    model = Regressor()
+    optimizer = _OwnAdamW(model.parameters(), lr=0.01)
+    prepared, prepared_optimizer, data = accelerator.prepare(model, optimizer, loader(64))
+    telemetry.watch(
+        prepared, accelerator=accelerator, optimizer=prepared_optimizer if given else None
+    )
+    _loop(accelerator, prepared, [prepared_optimizer], data, steps=6)
+    accelerator.end_training()
+    assert telemetry.run_directory is not None
+    samples = pl.read_parquet(telemetry.run_directory / "samples.parquet")
+    sampled = [FIRST, FIRST + 2, FIRST + 4]
+    for kind in ("forward", "step"):
+        rows = samples.filter(pl.col("kind") == kind).sort("step")
+        assert rows["step"].to_list() == sampled
+        assert rows["optimizer_step"].to_list() == [0, 2, 4]
+    history = pl.read_parquet(telemetry.run_directory / "history.parquet")
+    for step in sampled:
+        signals = set(history.filter(pl.col("step") == step)["signal"])
+        assert {"parameter", "parameter_gradient", "update", "optimizer_state"} <= signals

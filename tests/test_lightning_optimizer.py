@@ -9,6 +9,7 @@ the same ``MixedPrecision.optimizer_step`` that ``16-mixed`` runs on a GPU.
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
@@ -183,3 +184,89 @@ def test_a_large_parameter_copied_on_the_kernels_queue_gives_the_optimizer_s_row
     assert sorted(rows) == [0, 1, 2]
     for step, found in rows.items():
         _check(found, model.reference.steps[step], rel=1e-5)
+
+
+class Listed(Recorded):
+    """``Recorded`` whose param group lists the first layer's weight twice (torch warns)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        weight = self.net[0].weight
+        assert isinstance(weight, torch.nn.Parameter)
+        with pytest.warns(UserWarning, match="duplicate parameters"):
+            optimizer = torch.optim.SGD([weight, *self.parameters()], lr=0.05, momentum=0.9)
+        self.reference = Reference(optimizer, {id(p): n for n, p in self.named_parameters()})
+        return optimizer
+
+
+def test_a_parameter_listed_twice_has_one_set_of_rows_in_fit(tmp_path: pathlib.Path) -> None:
+    """In ``Trainer.fit``, a parameter listed twice has one row per metric, of the whole step.
+
+    Its update is its change over the whole step (torch's SGD applies both entries), as the
+    test's own hooks saw it.
+    """
+    model = Listed()
+    run = _fit(tmp_path, model, max_steps=2)
+    history = pl.read_parquet(run / "history.parquet").filter(pl.col("signal").is_in(STEP_SIGNALS))
+    keys = history.select("step", "layer", "signal", "tensor_path", "metric")
+    assert keys.height == keys.unique().height
+    assert model.reference is not None
+    rows = _step_rows(run)
+    assert sorted(rows) == [0, 1]
+    for step, found in rows.items():
+        _check(found, model.reference.steps[step], rel=1e-5)
+
+
+class FailingSGD(torch.optim.SGD):
+    """SGD whose third step raises after its hooks' pre-step work (its closure has run)."""
+
+    steps = 0
+
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        type(self).steps += 1
+        if type(self).steps == 3:
+            raise RuntimeError("the third step failed")
+        super().step()
+        return loss
+
+
+class FailsAtStep(Recorded):
+    """``Recorded`` with ``FailingSGD``."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return FailingSGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def test_a_step_that_raises_in_fit_keeps_what_was_measured_before_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``optimizer.step()`` raising ends ``fit``; the run keeps that step's record all the same.
+
+    Its record holds the parameters and gradients measured before the step, and no update or
+    optimizer state (its post-hook never ran); the steps before it are whole, nothing is lost.
+    """
+    model = FailsAtStep()
+    monitor = TelemetryMonitor(every_n_steps=1, output_dir=tmp_path / "run", log_to_loggers=False)
+    fit = trainer(
+        tmp_path, callbacks=[monitor], logger=False, enable_checkpointing=False, max_steps=5
+    )
+    with pytest.raises(RuntimeError, match="the third step failed"):
+        fit.fit(model, loader())
+    assert monitor.run_directory is not None
+    run = monitor.run_directory
+    history = pl.read_parquet(run / "history.parquet").filter(pl.col("signal").is_in(STEP_SIGNALS))
+    signals = {
+        step: set(rows["signal"]) for (step,), rows in history.group_by("step", maintain_order=True)
+    }
+    assert signals == {
+        0: set(STEP_SIGNALS),
+        1: set(STEP_SIGNALS),
+        2: {"parameter", "parameter_gradient"},
+    }
+    failed = _step_rows(run)[2]
+    for name, parameter in model.named_parameters():  # as the failed step found them
+        layer, path = split(name.removeprefix("net."))
+        assert_matches(failed, f"net.{layer}", "parameter", path, stats(parameter), rel=1e-5)
+    result = json.loads((run / "result.json").read_text())
+    assert result["lost"]["samples"] == 0
+    assert result["step_records"]["count"] == 3

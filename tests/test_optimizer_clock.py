@@ -194,3 +194,45 @@ def test_an_optimizer_found_during_a_sampled_step_records_that_step() -> None:
     assert [record.step for record in records] == [0]
     rms = sink.value("0", "parameter_gradient", "rms", tensor_path="weight")
     assert rms == pytest.approx(gradient.square().mean().sqrt().item())
+
+
+class _Wrapped(torch.optim.SGD):
+    """``step`` calls the one it overrides; ``fail`` makes the next call raise inside it."""
+
+    fail = False
+
+    def step(self, closure: object = None) -> object:  # type: ignore[override]
+        return super().step(self._inner)
+
+    def _inner(self) -> None:
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("the inner call failed")
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["found", "given"])
+def test_a_subclass_step_calling_its_parent_s_ticks_once(given: bool) -> None:
+    """Both calls' hooks run once torch has hooked ``SGD.step`` too: one tick a step.
+
+    A call that raised inside the nested one (the loop goes on) leaves nothing behind: the
+    later steps count once each.
+    """
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # torch hooks ``SGD.step``
+    model = nn.Linear(4, 1)
+    optimizer = _Wrapped(model.parameters(), lr=0.1)
+    assert getattr(torch.optim.SGD.step, "hooked", False), "both calls are hooked"
+    ticks: list[None] = []
+    clock = OptimizerClock(
+        model, lambda: ticks.append(None), optimizers=[optimizer] if given else ()
+    )
+    for _ in range(3):
+        _step(model, optimizer)
+    assert len(ticks) == 3
+    optimizer.fail = True
+    with pytest.raises(RuntimeError, match="inner call failed"):
+        _step(model, optimizer)
+    optimizer.zero_grad()
+    for _ in range(2):
+        _step(model, optimizer)
+    clock.remove()
+    assert len(ticks) == 5

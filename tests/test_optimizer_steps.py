@@ -7,6 +7,7 @@ with ``torch.cuda.max_memory_allocated`` on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 from typing import Any
 
@@ -23,6 +24,7 @@ from torchinstruments_core import (
     inject_observer,
 )
 from torchinstruments_core._torch_private import storage_holders
+from torchinstruments_core.reducers import MomentsReducer
 from torchinstruments_core.run_directory import scan_samples
 from torchinstruments_core.testing import RecordingSink, tensor_memory
 
@@ -398,3 +400,154 @@ def test_a_reducer_s_view_of_a_tensor_read_in_place_keeps_what_it_saw(background
         rows = values_of(record)
         assert rows[("0", "parameter_gradient", "weight", "first")] == pytest.approx(gradient)
         assert rows[("0", "parameter", "weight", "first")] == pytest.approx(parameter)
+
+
+class _FirstEntryMoments(MomentsReducer):
+    """A subclass of a built-in reducer, which may return what a built-in one never does."""
+
+    metrics = ("first",)
+
+    def reduce(self, tensor: Any) -> torch.Tensor:
+        return tensor.values.reshape(-1)[:1]
+
+
+def test_a_subclass_of_a_built_in_reducer_returning_a_view_is_copied_too() -> None:
+    """Only the built-in classes themselves are known never to view their input.
+
+    The gradient is read where it is and Nesterov momentum writes into it during the step: the
+    recorded first entry is the one the optimizer was handed.
+    """
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(
+        linear.parameters(), lr=0.1, momentum=0.9, nesterov=True, foreach=True
+    )
+    handed: list[float] = []
+
+    def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        assert linear.weight.grad is not None
+        handed.append(linear.weight.grad.reshape(-1)[0].item())
+
+    optimizer.register_step_pre_hook(pre)
+    model = nn.Sequential(linear)
+    sink = RecordingSink()
+    with inject_observer(
+        model,
+        sampler=AlwaysSampler(),
+        sink=sink,
+        optimizer=optimizer,
+        reducers=[_FirstEntryMoments()],
+    ):
+        for _ in range(2):
+            model(torch.randn(8, 64)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    records = step_records(sink)
+    assert len(records) == 2
+    for record, gradient in zip(records, handed, strict=True):
+        assert values_of(record)[("0", "parameter_gradient", "weight", "first")] == pytest.approx(
+            gradient
+        )
+
+
+class _Projected(torch.optim.SGD):
+    """A subclass whose ``step`` calls the one it overrides, then halves every parameter.
+
+    Once an ``SGD`` exists, torch has hooked ``SGD.step`` as well as this class's: each step
+    runs both calls' hooks, nested. ``fail_at`` makes that step raise after the update.
+    """
+
+    def __init__(self, *args: Any, fail_at: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail_at, self.calls = fail_at, 0
+
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        with torch.no_grad():
+            for group in self.param_groups:
+                for parameter in group["params"]:
+                    parameter.mul_(0.5)
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            raise RuntimeError("failed after the update")
+        return loss
+
+
+def _projected_loop(
+    *, closure: bool, fail_at: int | None = None, steps: int = 3
+) -> tuple[RecordingSink, list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]]:
+    """Steps of ``_Projected``, each parameter's values before and after its outer call."""
+    torch.manual_seed(0)
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # torch hooks ``SGD.step`` too
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = _Projected(model.parameters(), lr=0.1, momentum=0.9, fail_at=fail_at)
+    assert getattr(torch.optim.SGD.step, "hooked", False), "both steps are hooked"
+    seen = []
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+        for _ in range(steps):
+            x = torch.randn(8, 16)
+
+            def loss(x: torch.Tensor = x) -> torch.Tensor:
+                optimizer.zero_grad()
+                value = model(x).square().mean()
+                value.backward()
+                return value
+
+            if not closure:
+                loss()
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            with contextlib.suppress(RuntimeError):  # ``fail_at``'s, the loop survives it
+                optimizer.step(loss if closure else None)
+            seen.append((before, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    return sink, seen
+
+
+@pytest.mark.parametrize("closure", [False, True], ids=["plain", "closure"])
+def test_a_subclass_step_calling_the_step_it_overrides_is_one_record(closure: bool) -> None:
+    """The nested call's hooks do nothing: one record a step, of the outer call.
+
+    Its update is the whole change (the parent's update, then the halving); its parameters
+    are those before it, its state the momentum after it. With a closure a plain loop's
+    forward runs inside the step, and the step after the one whose closure made it is the
+    one recorded (every other step here).
+    """
+    sink, seen = _projected_loop(closure=closure, steps=4)
+    records = step_records(sink)
+    recorded = [1, 3] if closure else [0, 1, 2, 3]
+    assert len(records) == len(recorded)
+    for record, index in zip(records, recorded, strict=True):
+        before, after = seen[index]
+        rows = values_of(record)
+        assert {key[1] for key in rows} == {
+            "parameter",
+            "parameter_gradient",
+            "update",
+            "optimizer_state",
+        }
+        for name in ("0.weight", "2.bias"):
+            layer, path = split(name)
+            assert_matches(rows, layer, "parameter", path, stats(before[name]), rel=1e-5)
+            update = stats(after[name] - before[name])
+            assert_matches(rows, layer, "update", path, update, rel=1e-4)
+
+
+def test_a_nested_step_that_raises_is_delivered_and_the_later_steps_are_whole() -> None:
+    """The outer call raises after the nested one returned: its record has what came before.
+
+    It is delivered at the next step, whose forward it takes (a plain loop); the step after
+    that is recorded whole again.
+    """
+    sink, seen = _projected_loop(closure=False, fail_at=1, steps=4)
+    records = step_records(sink)
+    signals = [{str(row.signal) for row in record.rows} for record in records]
+    assert signals == [
+        {"parameter", "parameter_gradient", "update", "optimizer_state"},
+        {"parameter", "parameter_gradient"},
+        {"parameter", "parameter_gradient", "update", "optimizer_state"},
+    ]
+    before, after = seen[3]
+    rows = values_of(records[2])
+    assert_matches(
+        rows, "0", "update", "weight", stats(after["0.weight"] - before["0.weight"]), rel=1e-4
+    )

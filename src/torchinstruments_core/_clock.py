@@ -15,6 +15,7 @@ it for the optimizer step signals: from the optimizer's first step's pre-hook fo
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from torch.optim.optimizer import (
 
 from torchinstruments_core._exceptions import ObservationWarning
 from torchinstruments_core._optimizer_probe import check_optimizers
+from torchinstruments_core._step_calls import StepCalls
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -47,7 +49,8 @@ class OptimizerClock:
     ``ObservationWarning``: steps would be counted before it stepped). Told several, it ticks
     once each of them has stepped since the last tick, so one tick is one step of a loop that
     steps every one of them. A step skipped by the fp16 ``GradScaler`` (an overflow) runs no
-    optimizer step and is not counted.
+    optimizer step and is not counted. A subclass whose ``step`` calls ``super().step()``
+    counts once a call (``StepCalls``), though torch runs both calls' hooks.
 
     Args:
         model: The watched model (only a weak reference is kept).
@@ -87,6 +90,7 @@ class OptimizerClock:
         # optimizers already judged (found or ignored); weak: an id may be reused after collection
         self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._stepped: set[int] = set()  # followed optimizers that stepped since the last tick
+        self._calls = StepCalls()  # a subclass's ``step`` calling its parent's is one step
         self._handles = [
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
@@ -115,8 +119,11 @@ class OptimizerClock:
         """Stop counting. Safe to call again."""
         for handle in self._handles:
             handle.remove()
+        self._calls.forget()
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._calls.enter(optimizer, sys._getframe(1)):
+            return  # inside a call of the same optimizer's step
         if self._given or optimizer in self._seen:
             return  # one set lookup on every step after an optimizer's first
         self._seen.add(optimizer)
@@ -129,6 +136,8 @@ class OptimizerClock:
         self._on_optimizer(optimizer)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._calls.leave(optimizer, sys._getframe(1)):
+            return  # a nested call's: the outer call's post-hook counts the step
         followed = self._followed.get(id(optimizer))
         if followed is None or followed() is not optimizer:
             return

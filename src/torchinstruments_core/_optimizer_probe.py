@@ -20,6 +20,7 @@ gradients inside ``step``, after the pre-hook: the pre-hook then wraps the closu
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from torchinstruments_core._exceptions import ConfigurationError
 from torchinstruments_core._records import STEP_SKIPPED
 from torchinstruments_core._sharded import holds_shards
 from torchinstruments_core._signals import RecordKind, Signal, signals_of
+from torchinstruments_core._step_calls import StepCalls
 from torchinstruments_core._step_tensors import (
     ParameterMap,
     PreStepCopy,
@@ -147,6 +149,9 @@ class OptimizerProbe:
         self._parameters: ParameterMap | None = None
         self._watched: dict[int, tuple[weakref.ref[Any], list[RemovableHandle]]] = {}
         self._pending: dict[int, _Pending] = {}
+        # the call whose pre-hook claimed a recorded step, by optimizer: only its post-hook
+        # closes the record, not a nested call's (a subclass's ``step`` calling the parent's)
+        self._calls = StepCalls()
         self._stepping = False  # between a claimed pre-hook and its post-hook
         self._sampled_step: int | None = None  # the step in progress, when announced sampled
         self._buffers = CopyBuffers()  # the parameters' copies' memory, from step to step
@@ -213,10 +218,13 @@ class OptimizerProbe:
     # -- the hooks ----------------------------------------------------------------------------
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        if self._calls.open and self._calls.nested(optimizer, sys._getframe(1)):
+            return None  # a subclass's ``step`` calling the one it overrides: the outer call's
         if self._pending:
             self._abandoned(optimizer)
         if not self._window.open or not self._window.claim(optimizer):
-            return None  # the unsampled step's whole cost (with the test above)
+            return None  # the unsampled step's whole cost (with the tests above)
+        self._calls.enter(optimizer, sys._getframe(1))  # torch's wrapper, calling the hooks
         self._stepping = True
         step = self._window.step
         # ``args`` starts with the optimizer itself: torch passes step's own positional arguments
@@ -290,8 +298,8 @@ class OptimizerProbe:
             self._stepping = bool(self._pending)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._pending:  # an unsampled step's whole cost is this test
-            self._after(optimizer)
+        if self._pending and self._calls.leave(optimizer, sys._getframe(1)):
+            self._after(optimizer)  # (the test is an unsampled step's whole cost)
 
     @collector_paused
     def _after(self, optimizer: torch.optim.Optimizer) -> None:
@@ -382,6 +390,7 @@ class OptimizerProbe:
             for handle in handles:
                 handle.remove()
         self._watched.clear()
+        self._calls.forget()
         for key in list(self._pending):
             self._finish(key)
         self._window.close()
