@@ -491,3 +491,85 @@ def test_float32_updates_formed_by_the_kernels_equal_torch_s(
         updates = [copies.after[n] - copies.before[n] for n in copies.before]
         total = torch.linalg.vector_norm(torch.cat([u.reshape(-1) for u in updates])).item()
         assert mine[(MODEL, "update", "*", "l2_norm")] == pytest.approx(total, rel=1e-5)
+
+
+@pytest.mark.parametrize("optimizer_kind", ["SGD", "SparseAdam"])
+def test_a_sparse_gradient_counts_in_the_whole_model_row(optimizer_kind: str) -> None:
+    """A sparse embedding's gradient: its stored values and its unstored zeros count.
+
+    The norm is ``clip_grad_norm_``'s over the same gradients (repeated indices summed), the
+    zero count that of the dense gradients; the embedding's own rows stay unavailable
+    (``sparse_tensor``). SparseAdam steps the embedding alone: its row is the embedding's.
+    """
+    torch.manual_seed(0)
+    embedding = nn.Embedding(50, 16, sparse=True)
+    model = nn.Sequential(embedding, nn.Flatten(), nn.Linear(48, 1))
+    if optimizer_kind == "SGD":
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        stepped = list(model.parameters())
+    else:
+        optimizer = torch.optim.SparseAdam(embedding.parameters(), lr=0.01)
+        stepped = list(embedding.parameters())
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+        model(torch.tensor([[1, 2, 2], [3, 1, 4]])).square().mean().backward()
+        gradients = [p.grad.to_dense() for p in stepped if p.grad is not None]
+        expected = float(torch.nn.utils.clip_grad_norm_(stepped, math.inf))
+        optimizer.step()
+    (record,) = step_records(sink)
+    rows = values_of(record)
+    assert rows[(MODEL, "parameter_gradient", "*", "l2_norm")] == pytest.approx(expected, rel=1e-6)
+    zeros = sum(int((g == 0).sum()) for g in gradients)
+    assert zeros > 16 * 40  # the rows of the indices not looked up
+    assert rows[(MODEL, "parameter_gradient", "*", "zero_count")] == zeros
+    assert rows[(MODEL, "parameter_gradient", "*", "nonfinite_count")] == 0
+    assert rows[("0", "parameter_gradient", "weight", "rms")] is None
+    reasons = {
+        (r.layer, r.tensor_path): r.unavailable_reason
+        for r in record.rows
+        if str(r.signal) == "parameter_gradient" and r.metric == "rms"
+    }
+    assert reasons[("0", "weight")] == "sparse_tensor"
+
+
+class _Scaled(nn.Module):
+    """A leaf module: a weight and a learnable 0-d scale (as CLIP's ``logit_scale``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight * self.scale
+
+
+@pytest.mark.parametrize(
+    ("make", "kept"),
+    [
+        (lambda p: torch.optim.Adam(p, lr=0.01), {"exp_avg", "exp_avg_sq"}),
+        (lambda p: torch.optim.NAdam(p, lr=0.01), {"exp_avg", "exp_avg_sq"}),
+        (lambda p: torch.optim.ASGD(p, lr=0.01), {"ax"}),
+    ],
+    ids=["Adam", "NAdam", "ASGD"],
+)
+def test_a_0d_parameter_s_state_rows_leave_its_scalar_counters_out(
+    make: Any, kept: set[str]
+) -> None:
+    """A 0-d parameter's state rows are its moments only, as any other parameter's.
+
+    It shares its shape with the optimizer's ``step`` (and NAdam's ``mu_product``, ASGD's
+    ``eta`` and ``mu``), which are left out all the same.
+    """
+    model = nn.Sequential(_Scaled())
+    optimizer = make(model.parameters())
+    sink = RecordingSink()
+    with inject_observer(model, sampler=AlwaysSampler(), sink=sink, optimizer=optimizer):
+        for _ in range(2):
+            model(torch.randn(8, 4)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for record in step_records(sink):
+        paths = {r.tensor_path for r in record.rows if str(r.signal) == "optimizer_state"}
+        assert {p.removeprefix("scale.") for p in paths if p.startswith("scale.")} == kept
+        assert {p.removeprefix("weight.") for p in paths if p.startswith("weight.")} == kept

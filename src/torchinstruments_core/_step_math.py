@@ -103,6 +103,7 @@ def whole_gradient(
     gradients: Sequence[torch.Tensor],
     scale: torch.Tensor | None = None,
     summaries: Sequence[NDArray[np.float64] | None] = (),
+    unstored: int = 0,
 ) -> StepScalars:
     """The whole-model ``parameter_gradient`` row: l2 norm, non-finite and zero entries.
 
@@ -116,11 +117,14 @@ def whole_gradient(
         summaries: For each gradient, or none: the kernels' summary of it where its own
             reduction has one (``Measurement.summary``, a finite CPU gradient), whose squares
             and zeros are then taken instead of another pass; ``None`` for the others.
+        unstored: Entries of sparse gradients that they do not store (zeros), whose stored
+            values are among ``gradients``.
     """
     dtype = _common_dtype(gradients)
     device = gradients[0].device
     norms, nonfinite, zeros = _norms_and_counts(gradients, dtype, device, summaries)
-    entries = sum(g.numel() for g in gradients)
+    zeros = zeros + unstored
+    entries = sum(g.numel() for g in gradients) + unstored
     total = torch.linalg.vector_norm(norms)
     if scale is not None:
         total = total / scale.detach().reshape(()).to(device, dtype, non_blocking=True)

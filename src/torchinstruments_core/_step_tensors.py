@@ -356,23 +356,35 @@ def model_gradient(
     squares and zeros from that reduction (``Measurement.summary``) rather than another pass
     over it. ``None`` without ``parameter_gradient`` or without a gradient. Where one of the
     gradients is in ``changed`` (ids: the step changed it while it was reduced,
-    ``changed_gradients``), the row has no values, with the reason ``modified_in_place``.
+    ``changed_gradients``), the row has no values, with the reason ``modified_in_place``. A
+    sparse (COO) gradient counts its stored values, coalesced as ``clip_grad_norm_`` sums
+    them, and the entries it does not store as zeros; a gradient that cannot be read
+    otherwise (another sparse layout, an unsupported dtype) leaves the row without values,
+    with its reason.
     """
-    if Signal.PARAMETER_GRADIENT not in signals:
+    signal = Signal.PARAMETER_GRADIENT
+    if signal not in signals:
         return None
     if any(id(gradient) in changed for gradient in gradients):
         reason = UnavailableReason.MODIFIED_IN_PLACE
-        signal = Signal.PARAMETER_GRADIENT
         return UnavailableRow(MODEL_LAYER, signal, ALL_PARAMETERS, GRADIENT_METRICS, reason)
     plains: list[torch.Tensor] = []
     summaries: list[NDArray[np.float64] | None] = []
+    unstored = 0
     for gradient in gradients:
         plain = plain_tensor(gradient)
-        if isinstance(plain, torch.Tensor):
+        if plain is UnavailableReason.SPARSE_TENSOR and gradient.layout == torch.sparse_coo:
+            values = gradient.detach().coalesce().values()
+            plains.append(values)
+            summaries.append(None)
+            unstored += gradient.numel() - values.numel()
+        elif isinstance(plain, torch.Tensor):
             plains.append(plain)
             measurement = measured.get(id(gradient)) if scale is None else None
             summaries.append(None if measurement is None else measurement.summary)
-    return whole_gradient(plains, scale, summaries) if plains else None
+        elif plain is not UnavailableReason.EMPTY_TENSOR:  # an empty one adds nothing
+            return UnavailableRow(MODEL_LAYER, signal, ALL_PARAMETERS, GRADIENT_METRICS, plain)
+    return whole_gradient(plains, scale, summaries, unstored) if plains else None
 
 
 def _parameter_tensor(
@@ -474,14 +486,20 @@ def _weight_norm(copy: PreStepCopy, measured: Mapping[int, Measurement]) -> torc
     return summed_norm(copy.values, None if measurement is None else measurement.summary)
 
 
+_SCALAR_STATE = frozenset(("step", "mu_product", "eta", "mu"))
+"""The scalar counters torch's optimizers keep per parameter (Adam's ``step``, NAdam's
+``mu_product``, ASGD's ``eta`` and ``mu``): 0-d tensors, as a 0-d parameter's moments are."""
+
+
 def optimizer_state(
     optimizer: torch.optim.Optimizer, parameters: ParameterMap
 ) -> Iterator[StepTensor]:
     """The state tensors ``optimizer`` holds for each observed parameter, by their names.
 
     Only tensors of the parameter's shape (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``);
-    scalars such as ``step`` are left out. An Adam-family ``exp_avg_sq`` row also carries
-    ``gradient_rms_ratio`` (see ``adam_ratio``).
+    scalars such as ``step`` are left out, also beside a 0-d parameter, whose shape they
+    share: torch's own scalar counters by name (``_SCALAR_STATE``). An Adam-family
+    ``exp_avg_sq`` row also carries ``gradient_rms_ratio`` (see ``adam_ratio``).
     """
     for group, parameter in _stepped_with_groups(optimizer):
         owner = parameters.owner(parameter)
@@ -494,8 +512,11 @@ def optimizer_state(
 def _state_tensors(
     parameter: torch.Tensor, owner: Owner, state: dict[str, Any], group: dict[str, Any]
 ) -> Iterator[StepTensor]:
+    scalar = parameter.dim() == 0
     for key, value in state.items():
         if not isinstance(value, torch.Tensor) or value.shape != parameter.shape:
+            continue
+        if scalar and key in _SCALAR_STATE:
             continue
         path = f"{owner.name}.{key}"
         ratio = None
