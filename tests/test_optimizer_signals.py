@@ -34,6 +34,7 @@ from torchinstruments_core import (
     AlwaysSampler,
     ConfigurationError,
     EveryNForwardsSampler,
+    RecordKind,
     SampleRecord,
     inject_observer,
 )
@@ -573,3 +574,34 @@ def test_a_0d_parameter_s_state_rows_leave_its_scalar_counters_out(
         paths = {r.tensor_path for r in record.rows if str(r.signal) == "optimizer_state"}
         assert {p.removeprefix("scale.") for p in paths if p.startswith("scale.")} == kept
         assert {p.removeprefix("weight.") for p in paths if p.startswith("weight.")} == kept
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.LBFGS(p, lr=0.1, max_iter=1),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    ],
+    ids=["LBFGS", "SGD"],
+)
+def test_a_plain_loop_s_closure_step_records_its_own_sampled_forward(make: Any) -> None:
+    """``optimizer.step(closure)`` in a plain loop: the forward runs inside the step.
+
+    The steps whose closure ran a sampled forward are the ones recorded (every other forward
+    sampled: steps 0, 2, 4), each with the parameters it started from, not the next step
+    with a forward that was not its own.
+    """
+    model = float64_mlp()
+    optimizer = make(model.parameters())
+    reference = Reference(optimizer, parameter_names(model))
+    sink = RecordingSink()
+    closure = closure_for(model, optimizer)
+    with inject_observer(model, sampler=EveryNForwardsSampler(2), sink=sink, optimizer=optimizer):
+        for _ in range(6):
+            optimizer.step(closure)
+    records = step_records(sink)
+    forwards = [s for s in sink.samples if s.kind is not RecordKind.STEP]
+    assert len(forwards) == 3
+    assert len(records) == 3
+    for record, copies in zip(records, reference.steps[0::2], strict=True):
+        _check_parameters(record, copies)

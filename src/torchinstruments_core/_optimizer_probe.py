@@ -24,7 +24,7 @@ import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -53,6 +53,7 @@ from torchinstruments_core._step_tensors import (
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from types import FrameType
 
     from torch import nn
     from torch.utils.hooks import RemovableHandle
@@ -154,6 +155,7 @@ class OptimizerProbe:
         self._calls = StepCalls()
         self._stepping = False  # between a claimed pre-hook and its post-hook
         self._sampled_step: int | None = None  # the step in progress, when announced sampled
+        self._announced = False  # an adapter announces the steps (not a plain loop)
         self._buffers = CopyBuffers()  # the parameters' copies' memory, from step to step
         # the optimizers found changing a gradient they were thought to leave alone
         self._writers: set[int] = set()
@@ -202,6 +204,7 @@ class OptimizerProbe:
 
     def announced(self, step: int, *, sample: bool) -> None:
         """An adapter began trainer step ``step``."""
+        self._announced = True
         self._stepping = False
         self._sampled_step = step if sample else None
         self._note(self._window.announced(step))
@@ -223,19 +226,43 @@ class OptimizerProbe:
         if self._pending:
             self._abandoned(optimizer)
         if not self._window.open or not self._window.claim(optimizer):
-            return None  # the unsampled step's whole cost (with the tests above)
+            if self._announced or not self._window.watching:
+                return None  # the unsampled step's whole cost (with the tests above)
+            # a plain loop: a closure may run this step's sampled forward (``_claim_late``)
+            return self._closure_watched(optimizer, args, kwargs, sys._getframe(1))
         self._calls.enter(optimizer, sys._getframe(1))  # torch's wrapper, calling the hooks
         self._stepping = True
         step = self._window.step
-        # ``args`` starts with the optimizer itself: torch passes step's own positional arguments
-        closure = kwargs.get("closure") if "closure" in kwargs else (args[1:2] or (None,))[0]
+        closure = _closure(args, kwargs)
         if closure is None:
             self._before(optimizer, step)
             return None
         wrapped = _Once(closure, functools.partial(self._before, optimizer, step))
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": wrapped}
-        return (args[0], wrapped, *args[2:]), kwargs
+        return _with_closure(args, kwargs, wrapped)
+
+    def _closure_watched(
+        self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any, frame: FrameType
+    ) -> Any:
+        """In a plain loop, a step not claimed has its closure (if any) watched.
+
+        Its forward is the step's own (LBFGS, an SGD stepped with a closure): a sampled one
+        opens the window while the closure runs, and the step is claimed when the closure
+        first returns, where the "before" measurements run anyway. Unwatched, the window it
+        opened would be claimed by the optimizer's next step, with a forward not its own.
+        """
+        closure = _closure(args, kwargs)
+        if closure is None:
+            return None
+        late = functools.partial(self._claim_late, optimizer, frame)
+        return _with_closure(args, kwargs, _Once(closure, late))
+
+    def _claim_late(self, optimizer: torch.optim.Optimizer, frame: FrameType) -> None:
+        """The watched closure returned: the step is claimed if its forward opened the window."""
+        if self._stepping or not self._window.open or not self._window.claim(optimizer):
+            return
+        self._calls.enter(optimizer, frame)
+        self._stepping = True
+        self._before(optimizer, self._window.step)
 
     @collector_paused  # the record's objects are all freed by reference counts
     def _before(self, optimizer: torch.optim.Optimizer, step: int | None) -> None:
@@ -398,6 +425,20 @@ class OptimizerProbe:
         self._parameters = None
         self._buffers.clear()
         self._writers.clear()
+
+
+def _closure(args: Any, kwargs: Any) -> Callable[[], Any] | None:
+    """The closure a step was given; ``args`` starts with the optimizer (``step``'s own)."""
+    if "closure" in kwargs:
+        return cast("Callable[[], Any] | None", kwargs["closure"])
+    return cast("Callable[[], Any] | None", (args[1:2] or (None,))[0])
+
+
+def _with_closure(args: Any, kwargs: Any, wrapped: _Once) -> tuple[Any, Any]:
+    """The step's arguments with ``wrapped`` in its closure's place (a pre-hook's result)."""
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": wrapped}
+    return (args[0], wrapped, *args[2:]), kwargs
 
 
 class _Once:
