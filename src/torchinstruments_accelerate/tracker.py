@@ -14,6 +14,7 @@ from accelerate.utils import broadcast_object_list
 from torch import nn
 from typing_extensions import override
 
+from torchinstruments_accelerate._parts import PartCalls
 from torchinstruments_accelerate._trackers import (
     accelerator_holding,
     has_tensorboard,
@@ -179,6 +180,8 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
             )
         self._observer: Observer | None = None
         self._clock: OptimizerClock | None = None
+        self._parts: PartCalls | None = None  # a loop calling the model's parts (``_parts``)
+        self._sampling: int | None = None  # the step in progress, if sampled
         self._routed: Accelerator | None = None  # whose trackers receive the samples
         self._numbering = StepNumbering(self._training_forwards)  # also before watch()
         self._holding: HoldingSink | None = None
@@ -282,6 +285,14 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
             on_optimizer=self._observer.watch_optimizer,
             optimizers=optimizers,
         )
+        observer = self._observer
+        self._parts = PartCalls(
+            model,
+            lambda: observer.training_forwards,
+            lambda: self._sampling,
+            observer.open_sample,
+            observer.finish_forward,
+        )
         self._begin()
         if folder is not None and main:
             log.info("TelemetryTracker: writing the run directory to %s", folder.path)
@@ -313,6 +324,9 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         clock, self._clock = self._clock, None
         if clock is not None:
             clock.remove()
+        parts, self._parts = self._parts, None
+        if parts is not None:
+            parts.remove()
         self._routed = None
         observer, self._observer = self._observer, None
         if observer is not None:
@@ -333,14 +347,18 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
         assert self._observer is not None
         assert self._watch is not None
         step = self._numbering.step  # the tracker's count: the sink renumbers the samples
-        self._observer.begin_step(step, sample=self._watch.begin_step(step))
+        sample = self._watch.begin_step(step)
+        self._sampling = step if sample else None
+        self._observer.begin_step(step, sample=sample)
 
     def _act(self) -> None:
         if self._watch is not None and self._watch.act():
             self._should_stop = True
 
     def _training_forwards(self) -> int:
-        return self._observer.training_forwards if self._observer is not None else 0
+        # the model's own, or its parts' where the loop calls them (``_parts``)
+        parts = self._parts.count if self._parts is not None else 0
+        return parts + (self._observer.training_forwards if self._observer is not None else 0)
 
     def _other_trackers(self) -> list[Target]:
         # Looked up at each write, so watch() may come before init_trackers(); none after finish().

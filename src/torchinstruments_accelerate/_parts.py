@@ -1,0 +1,114 @@
+"""``PartCalls``: a loop that calls the parts of the watched model, never the model itself.
+
+A GAN kept in one module (``gan.G(z)``, ``gan.D(x)``), an encoder and a decoder called in turn:
+the tracker watches the container, and its own forward never runs. The tracker's samples open
+at the model's forward and its step windows (``StepNumbering``) follow it, so such a loop got no
+forward samples, and its step records waited for a number until the run ended.
+
+``PartCalls`` puts a forward pre-hook and a forward hook on each direct child of the model
+(through wrapper attributes: ``DistributedDataParallel.module``, a compiled model's
+``_orig_mod``; the unwrapped model itself too, for ``model.module(x)``). A call of one of them
+with gradients enabled, outside the model's own forward, is then what a training forward of
+the model is: it counts for the step windows, and in a sampled step it is a sample of its own
+(opened in the pre-hook, its forward finished in the hook). Once the model's own forward runs
+with gradients enabled (the usual loop) the hooks remove themselves: they cost only loops that
+need them, one hook call a part's call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch.utils.hooks import RemovableHandle
+
+_WRAPPERS = ("module", "_orig_mod")
+"""Attributes under which a wrapper keeps the model it wraps (DDP, ``torch.compile``)."""
+
+
+class PartCalls:
+    """Counts the training calls of a model's parts made outside its own forward; samples them.
+
+    Args:
+        model: The watched model (wrapped or not).
+        own_forwards: How many training forwards of the model itself ran so far
+            (``Observer.training_forwards``); once it is not 0 the hooks go.
+        sampled: Whether the step in progress is sampled, and its number: a part's call then
+            opens a sample (``open_sample``) that its return finishes (``finish_forward``).
+        open_sample: ``Observer.open_sample``.
+        finish_forward: ``Observer.finish_forward``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        own_forwards: Callable[[], int],
+        sampled: Callable[[], int | None],
+        open_sample: Callable[[int], object],
+        finish_forward: Callable[[], None],
+    ) -> None:
+        self.count = 0
+        """Training calls of the parts so far (with gradients enabled)."""
+        self.called: list[str] = []
+        """The names of the parts called, in the order of their first call."""
+        self._own, self._sampled = own_forwards, sampled
+        self._open, self._finish = open_sample, finish_forward
+        self._depth = 0  # parts' calls in progress (one part may call another)
+        self._opened = False  # the outermost call in progress opened a sample
+        self._handles: list[RemovableHandle] = []
+        inner = _unwrapped(model)
+        parts = [(name, part) for name, part in inner.named_children()]
+        if inner is not model:
+            parts.append(("(the unwrapped model)", inner))
+        for name, part in parts:
+            self._handles.append(part.register_forward_pre_hook(self._pre_hook(name)))
+            self._handles.append(part.register_forward_hook(self._post_hook, always_call=True))
+
+    def _pre_hook(self, name: str) -> Callable[[nn.Module, Any], None]:
+        def called(module: nn.Module, args: Any) -> None:
+            self._entered(name)
+
+        return called
+
+    def _entered(self, name: str) -> None:
+        if self._own():  # the model's own forward runs: it is the loop's forward
+            self.remove()
+            return
+        self._depth += 1
+        if self._depth > 1 or not torch.is_grad_enabled():
+            return
+        self.count += 1
+        if name not in self.called:
+            self.called.append(name)
+        step = self._sampled()
+        if step is not None:
+            self._open(step)
+            self._opened = True
+
+    def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._handles or self._depth == 0:
+            return  # removed during the call, or entered before the hooks were made
+        self._depth -= 1
+        if self._depth == 0 and self._opened:
+            self._opened = False
+            self._finish()
+
+    def remove(self) -> None:
+        """Remove the hooks. Safe to call again."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """``model`` without its wrappers (``DistributedDataParallel``, ``torch.compile``)."""
+    for attribute in _WRAPPERS:
+        inner = getattr(model, attribute, None)
+        if isinstance(inner, nn.Module) and inner is not model:
+            return _unwrapped(inner)
+    return model

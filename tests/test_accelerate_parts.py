@@ -1,0 +1,133 @@
+"""TelemetryTracker on a loop that calls the parts of the watched model, never the model itself.
+
+A GAN kept in one module, as such loops keep it: the loop calls ``gan.G`` and ``gan.D`` and
+steps one optimizer for each. A real Accelerate loop on the CPU with the TensorBoard tracker;
+the run directory read with polars, the events with EventAccumulator.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from accelerate_helpers import (
+    Regressor,
+    events,
+    hooks,
+    loader,
+    reset_accelerate_state,
+    tensorboard_accelerator,
+    train,
+)
+from torchinstruments_accelerate import TelemetryTracker
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    """Each test builds its Accelerator from scratch; Accelerate's state is process-wide."""
+    reset_accelerate_state()
+    yield
+    reset_accelerate_state()
+
+
+class GAN(nn.Module):
+    """A generator and a discriminator kept together; the loop calls them, never ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.D = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _gan_loop(tmp_path: pathlib.Path, *, batches: int, log: str) -> TelemetryTracker:
+    """Every third step sampled; the loop logs ``step=100 + i`` before or after the steps."""
+    torch.manual_seed(0)
+    telemetry = TelemetryTracker(every_n_steps=3, max_focus_layers=2)
+    accelerator = tensorboard_accelerator(tmp_path, telemetry, 1)
+    gan = GAN()
+    generator = torch.optim.Adam(gan.G.parameters(), lr=1e-3)
+    discriminator = torch.optim.Adam(gan.D.parameters(), lr=1e-3)
+    gan, generator, discriminator = accelerator.prepare(gan, generator, discriminator)
+    telemetry.watch(gan, accelerator=accelerator, optimizer=[discriminator, generator])
+    for i in range(batches):
+        x, z = torch.randn(8, 8), torch.randn(8, 4)
+        fake = gan.G(z)
+        real_loss = nn.functional.softplus(-gan.D(x)).mean()
+        d_loss = real_loss + nn.functional.softplus(gan.D(fake.detach())).mean()
+        if log == "before":
+            accelerator.log({"d_loss": d_loss.item()}, step=100 + i)
+        discriminator.zero_grad()
+        accelerator.backward(d_loss)
+        discriminator.step()
+        g_loss = nn.functional.softplus(-gan.D(fake)).mean()
+        generator.zero_grad()
+        accelerator.backward(g_loss)
+        generator.step()
+        if log == "after":
+            accelerator.log({"d_loss": d_loss.item()}, step=100 + i)
+    accelerator.end_training()
+    assert hooks(gan) == 0
+    return telemetry
+
+
+@pytest.mark.parametrize("log", ["before", "after"])
+def test_a_loop_calling_the_model_s_parts_samples_them_at_the_logged_steps(
+    tmp_path: pathlib.Path, log: str
+) -> None:
+    """Each call of a part in a sampled step is a sample; everything lands at the logged step.
+
+    The sampled steps 0, 3 and 6 are logged as 100, 103 and 106: the parts' samples (each call
+    of G or D: four a step) and both optimizers' step records are there, in the run directory
+    and in TensorBoard, beside the loop's own ``d_loss``. The calls whose output a backward
+    reaches have output gradients.
+    """
+    telemetry = _gan_loop(tmp_path, batches=7, log=log)
+    assert telemetry.run_directory is not None
+    run = telemetry.run_directory
+    frame = pl.read_parquet(run / "samples.parquet")
+    sampled = [100, 103, 106]
+    forwards = frame.filter(pl.col("kind") == "forward")
+    assert sorted(set(forwards["step"])) == sampled
+    assert forwards.group_by("step").len().sort("step")["len"].to_list() == [4, 4, 4]
+    assert forwards["optimizer_step"].to_list() == [k for k in (0, 3, 6) for _ in range(4)]
+    steps = frame.filter(pl.col("kind") == "step")
+    assert steps["step"].to_list() == [s for s in sampled for _ in range(2)]
+    history = pl.read_parquet(run / "history.parquet")
+    layers = set(history.filter(pl.col("signal") == "output_gradient")["layer"])
+    assert {"G.0", "G.2", "D.0", "D.2"} <= layers
+    logged = events(tmp_path / "exp")
+    losses = {event.step for event in logged.Scalars("d_loss")}
+    assert set(sampled) <= losses
+    tag = "telemetry/D.2/output/rms"
+    assert sorted({event.step for event in logged.Scalars(tag)}) == sampled
+
+
+def test_the_parts_hooks_go_once_the_model_s_own_forward_runs(tmp_path: pathlib.Path) -> None:
+    """A loop calling the model itself leaves only the observer's hooks after its first step.
+
+    Its parts' hooks cost nothing from then on, and the samples are the model's forwards.
+    """
+    telemetry = TelemetryTracker(every_n_steps=2, output_dir=tmp_path / "run")
+    accelerator = tensorboard_accelerator(tmp_path, telemetry, 1)
+    model = Regressor()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer, data = accelerator.prepare(model, optimizer, loader(64))
+    unobserved = hooks(model)
+    telemetry.watch(model, accelerator=accelerator)
+    parts = sum(len(m._forward_pre_hooks) for m in model.children())
+    assert parts == len(list(model.children())) > 0
+    train(accelerator, model, optimizer, data, steps=1)
+    assert sum(len(m._forward_pre_hooks) for m in model.children()) == 0
+    train(accelerator, model, optimizer, data, steps=3)
+    accelerator.end_training()
+    assert hooks(model) == unobserved
+    assert telemetry.run_directory is not None
+    forwards = pl.read_parquet(telemetry.run_directory / "samples.parquet").filter(
+        pl.col("kind") == "forward"
+    )
+    assert forwards["step"].to_list() == [0, 2]
