@@ -131,3 +131,43 @@ def test_the_parts_hooks_go_once_the_model_s_own_forward_runs(tmp_path: pathlib.
         pl.col("kind") == "forward"
     )
     assert forwards["step"].to_list() == [0, 2]
+
+
+class _Wrapper(nn.Module):
+    """A wrapper keeping the model under ``module``, as ``DistributedDataParallel`` does."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+@pytest.mark.parametrize("wrap", ["module", "compiled"])
+def test_part_calls_are_found_through_wrappers(wrap: str) -> None:
+    """The parts are the wrapped model's children; the unwrapped model's own call is one too.
+
+    Calls with gradients enabled count, calls under ``no_grad`` do not; in a sampled step each
+    call opens a sample and finishes its forward; removed, the hooks are gone.
+    """
+    from torchinstruments_core.adapter import PartCalls
+
+    gan = GAN()
+    wrapped = _Wrapper(gan) if wrap == "module" else torch.compile(gan)
+    opened: list[int] = []
+    finished: list[None] = []
+    step: list[int | None] = [None]
+    parts = PartCalls(
+        wrapped, lambda: 0, lambda: step[0], opened.append, lambda: finished.append(None)
+    )
+    gan.G(torch.randn(2, 4))
+    with torch.no_grad():
+        gan.D(torch.randn(2, 8))
+    step[0] = 7
+    gan.D(gan.G(torch.randn(2, 4)))
+    assert parts.count == 3
+    assert parts.called == ["G", "D"]
+    assert opened == [7, 7]
+    assert len(finished) == 2
+    parts.remove()
+    gan.G(torch.randn(2, 4))
+    assert parts.count == 3
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in gan.modules())

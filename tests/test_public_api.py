@@ -69,6 +69,7 @@ SURFACES: dict[str, list[str]] = {
         "NonFinitePolicy",
         "NonFiniteWatch",
         "OptimizerClock",
+        "PartCalls",
         "RankPolicy",
         "RunFolder",
         "StepNumbering",

@@ -14,7 +14,6 @@ from accelerate.utils import broadcast_object_list
 from torch import nn
 from typing_extensions import override
 
-from torchinstruments_accelerate._parts import PartCalls
 from torchinstruments_accelerate._trackers import (
     accelerator_holding,
     has_tensorboard,
@@ -27,6 +26,7 @@ from torchinstruments_core.adapter import (
     ErrorPolicy,
     HoldingSink,
     OptimizerClock,
+    PartCalls,
     StepNumbering,
     TelemetryOptions,
     check_optimizers,

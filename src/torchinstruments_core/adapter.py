@@ -29,8 +29,10 @@ private trainer attributes, so a new one (Fabric, the Transformers ``Trainer``) 
    sees the loop counts optimizer steps with ``OptimizerClock``, which also hands each of the
    trainer's optimizers to ``Observer.watch_optimizer`` (``on_optimizer``): the ones given
    (``check_optimizers`` checks an ``optimizer=`` argument), else the one it finds; an adapter
-   that is given the optimizer (Transformers' callback events) watches it itself. Under fp16, pass
-   ``gradient_scale(scaler, device)`` to ``set_gradient_scale``.
+   that is given the optimizer (Transformers' callback events) watches it itself. Such an
+   adapter also follows a loop that calls the model's parts and never the model
+   (``PartCalls``). Under fp16, pass ``gradient_scale(scaler, device)`` to
+   ``set_gradient_scale``.
 5. Number the steps as the user does. When the trainer's step is not the number the user logs
    under (the adapter counts optimizer steps itself), put a ``HoldingSink`` with a
    ``StepNumbering`` in front of the sink, and tell the numbering of each step and each log.
@@ -49,6 +51,7 @@ from torchinstruments_core._options import (
     loss_scale_reader,
     run_folder,
 )
+from torchinstruments_core._parts import PartCalls
 from torchinstruments_core._watch import NonFiniteWatch
 from torchinstruments_core.run_directory import RunFolder
 
@@ -58,6 +61,7 @@ __all__ = [
     "NonFinitePolicy",
     "NonFiniteWatch",
     "OptimizerClock",
+    "PartCalls",
     "RankPolicy",
     "RunFolder",
     "StepNumbering",

@@ -1,13 +1,15 @@
 """``PartCalls``: a loop that calls the parts of the watched model, never the model itself.
 
 A GAN kept in one module (``gan.G(z)``, ``gan.D(x)``), an encoder and a decoder called in turn:
-the tracker watches the container, and its own forward never runs. The tracker's samples open
-at the model's forward and its step windows (``StepNumbering``) follow it, so such a loop got no
-forward samples, and its step records waited for a number until the run ended.
+the adapter watches the container, and its own forward never runs. An adapter that never sees
+the loop (Accelerate's tracker, Fabric's callback) opens its samples at the model's forward,
+and the tracker's step windows (``StepNumbering``) follow it: such a loop got no forward
+samples, and the tracker's step records waited for a number until the run ended.
 
 ``PartCalls`` puts a forward pre-hook and a forward hook on each direct child of the model
 (through wrapper attributes: ``DistributedDataParallel.module``, a compiled model's
-``_orig_mod``; the unwrapped model itself too, for ``model.module(x)``). A call of one of them
+``_orig_mod``, Fabric's ``_original_module``; the unwrapped model itself too, for
+``model.module(x)``). A call of one of them
 with gradients enabled, outside the model's own forward, is then what a training forward of
 the model is: it counts for the step windows, and in a sampled step it is a sample of its own
 (opened in the pre-hook, its forward finished in the hook). Once the model's own forward runs
@@ -27,8 +29,8 @@ if TYPE_CHECKING:
 
     from torch.utils.hooks import RemovableHandle
 
-_WRAPPERS = ("module", "_orig_mod")
-"""Attributes under which a wrapper keeps the model it wraps (DDP, ``torch.compile``)."""
+_WRAPPERS = ("_original_module", "module", "_orig_mod")
+"""Attributes under which a wrapper keeps the model it wraps (Fabric, DDP, ``torch.compile``)."""
 
 
 class PartCalls:
@@ -106,7 +108,7 @@ class PartCalls:
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
-    """``model`` without its wrappers (``DistributedDataParallel``, ``torch.compile``)."""
+    """``model`` without its wrappers (Fabric's, ``DistributedDataParallel``, ``torch.compile``)."""
     for attribute in _WRAPPERS:
         inner = getattr(model, attribute, None)
         if isinstance(inner, nn.Module) and inner is not model:
