@@ -152,6 +152,7 @@ def test_part_calls_are_found_through_wrappers(wrap: str) -> None:
 
     gan = GAN()
     wrapped = _Wrapper(gan) if wrap == "module" else torch.compile(gan)
+    assert isinstance(wrapped, nn.Module)
     opened: list[int] = []
     finished: list[None] = []
     step: list[int | None] = [None]
