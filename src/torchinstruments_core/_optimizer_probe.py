@@ -1,7 +1,7 @@
 """``OptimizerProbe``: the optimizer step signals, from each watched optimizer's own step hooks.
 
 Each watched optimizer gets a step pre-hook and a step post-hook (public torch API). On a step the
-``StepWindow`` does not claim, the pre-hook reads one attribute and the post-hook one dict; on a
+``StepWindow`` does not claim, the pre-hook reads a few attributes and the post-hook one dict; on a
 recorded step the pre-hook measures the gradients where they are (``_step_tensors
 .gradient_tensors``) and what ``_step_tensors.before_step`` lists, waits for the gradients'
 reductions, then makes the whole-model gradient row from them (``model_gradient``); the
@@ -15,6 +15,11 @@ Both hooks do a recorded step's work with Python's garbage collector paused (``_
 An optimizer stepped with a closure (Lightning without a GradScaler, LBFGS) computes its
 gradients inside ``step``, after the pre-hook: the pre-hook then wraps the closure, and the
 "before" measurements run when the closure first returns (the parameters are still untouched).
+In a plain loop the closure of a step not claimed is wrapped too: its forward is the step's own,
+and the step is claimed when it returns if that forward was sampled (``_closure_watched``).
+
+A subclass whose ``step`` calls ``super().step()`` runs the hooks of both calls; only the
+outermost call's act (``StepCalls``).
 """
 
 from __future__ import annotations
