@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,13 +18,13 @@ from transformers.integrations.integration_utils import (
 from transformers.trainer_callback import CallbackHandler, TrainerCallback, TrainerControl
 from typing_extensions import override
 
+from torchinstruments_core import ObservationWarning
 from torchinstruments_core.adapter import RunFolder, TelemetryOptions, run_folder
 from torchinstruments_core.routing import ScalarTarget, SummaryWriterTarget, WandbRunTarget
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from torch import nn
     from transformers import TrainerState, TrainingArguments
 
     from torchinstruments_core import Observer
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 
 # WandbCallback logs the Trainer's step under this key; our rows use it too, so they line up.
 WANDB_STEP_KEY = "train/global_step"
+# What a CallbackHandler hands each event from its own attributes, all set before
+# on_train_begin; the dataloader is a new one in each train().
+HANDED = ("model", "optimizer", "lr_scheduler", "train_dataloader")
 
 
 @dataclass(eq=False, kw_only=True)
@@ -69,7 +73,11 @@ class TelemetryCallback(TrainerCallback, TelemetryOptions):
         ``…/update/<parameter>/update_to_weight``, ``<prefix>/model/parameter_gradient/l2_norm``,
         ``…/nonfinite_count``, ``…/zero_count`` and ``<prefix>/model/update/l2_norm``) are at the
         same step. The run directory holds no
-        ``tensorboard/`` when TensorBoard receives the routing.
+        ``tensorboard/`` when TensorBoard receives the routing. Several Trainers may share the
+        model and the callback (training phases, an earlier Trainer still referenced): each
+        ``train()`` routes into the integrations of the Trainer running it, found as the one
+        whose callback handler hands the event its model, optimizer, scheduler and dataloader
+        (where several do, it warns, ``ObservationWarning``, and routes nothing).
 
     Runs and folders:
         Each ``train()`` is a run with a new ``run_id`` (a resumed one too), so
@@ -109,7 +117,6 @@ class TelemetryCallback(TrainerCallback, TelemetryOptions):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._detach()  # a train() that raised left its hooks
-        model: nn.Module = kwargs["model"]
         main = state.is_world_process_zero
         resumed = state.global_step > 0
         folder, run_id = self.agree_on_run(
@@ -119,7 +126,7 @@ class TelemetryCallback(TrainerCallback, TelemetryOptions):
         )
         self._run_directory = folder.path if folder is not None else None
         if self.observes(main=main):
-            observer = self._inject(args, model, folder, run_id, routes=self.routes(main=main))
+            observer = self._inject(args, kwargs, folder, run_id, routes=self.routes(main=main))
             optimizer = kwargs.get("optimizer")
             scaler = getattr(optimizer, "scaler", None)  # Accelerate's fp16 scaler
             observer.set_gradient_scale(self.gradient_scale(scaler, args.device))
@@ -176,20 +183,20 @@ class TelemetryCallback(TrainerCallback, TelemetryOptions):
     def _inject(
         self,
         args: TrainingArguments,
-        model: nn.Module,
+        event: dict[str, Any],
         folder: RunFolder | None,
         run_id: str,
         *,
         routes: bool,
     ) -> Observer:
-        self._routed = _handler_holding(self, model) if routes else None
+        self._routed = _handler_calling(self, event, folder) if routes else None
         self._args = args
         callbacks = self._routed.callbacks if self._routed is not None else []
         tensorboard = not any(isinstance(cb, TensorBoardCallback) for cb in callbacks)
         targets: Callable[[], list[Target]] | list[Target] = self._targets if routes else []
         self._watch = self.nonfinite_watch(targets)
         sink = self.sink(folder, targets, tensorboard=tensorboard, watch=self._watch)
-        self._observer = self.inject(model, sink=sink, run_id=run_id)
+        self._observer = self.inject(event["model"], sink=sink, run_id=run_id)
         return self._observer
 
     def _targets(self) -> list[Target]:
@@ -239,20 +246,36 @@ def _on_log(
     return log_metrics
 
 
-def _handler_holding(callback: TelemetryCallback, model: nn.Module) -> CallbackHandler | None:
-    """The Trainer's ``CallbackHandler`` holding ``callback`` for ``model``.
+def _handler_calling(
+    callback: TelemetryCallback, event: dict[str, Any], folder: RunFolder | None
+) -> CallbackHandler | None:
+    """The Trainer's ``CallbackHandler`` that hands ``callback`` this ``event``.
 
     Callbacks are not given the Trainer nor each other, so the garbage collector's list of
-    objects is searched, once per ``train()``.
+    objects is searched, once per ``train()``, for the handler holding ``callback`` and each
+    object of ``HANDED`` the event carries: an earlier Trainer on the same model and callback,
+    still referenced, holds another dataloader. ``None``, with a warning, when several match.
     """
-    for candidate in gc.get_objects():
-        if (
-            type(candidate) is CallbackHandler
-            and candidate.model is model
-            and any(cb is callback for cb in candidate.callbacks)
-        ):
-            return candidate
-    return None
+    found = [
+        candidate
+        for candidate in gc.get_objects()
+        if type(candidate) is CallbackHandler
+        and any(cb is callback for cb in candidate.callbacks)
+        and all(getattr(candidate, name) is event.get(name) for name in HANDED)
+    ]
+    if len(found) > 1:
+        warnings.warn(_ambiguous(len(found), folder), ObservationWarning, stacklevel=2)
+    return found[0] if len(found) == 1 else None
+
+
+def _ambiguous(handlers: int, folder: RunFolder | None) -> str:
+    """The warning of ``on_train_begin`` when several Trainers hand it the same objects."""
+    where = f"writing the run directory to {folder.path}" if folder else "writing no run directory"
+    return (
+        f"TelemetryCallback: {handlers} Trainers hold this callback with the same model, "
+        "optimizer, lr_scheduler and train_dataloader, so the one training is unknown: nothing "
+        f"is routed into the report_to integrations; {where} (with its own tensorboard/)."
+    )
 
 
 def _broadcast(value: Any) -> Any:
