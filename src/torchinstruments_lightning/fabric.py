@@ -79,7 +79,9 @@ class FabricTelemetry(TelemetryOptions):
     telemetry itself: it is a handle on hooks and files, never copied; ``copy.deepcopy``
     returns it as it is).
     The resumed run continues the saved sample ids and step count under a new ``run_id``, in a
-    folder of its own, so ``(run_id, rank, sample_id)`` stays unique.
+    folder of its own, so ``(run_id, rank, sample_id)`` stays unique. Without it, a watch after
+    ``finish()`` (a new ``Fabric`` for the next fold) is a new run counted from step 0 and
+    sample id 0, with ``should_stop`` false again.
 
     Logged metrics:
         The keys of ``TelemetryOptions``, into ``fabric.loggers`` on global rank 0 at the step
@@ -118,6 +120,7 @@ class FabricTelemetry(TelemetryOptions):
         self._run_directory: Path | None = None
         self._step = 0
         self._next_sample_id = 0
+        self._resumes = False  # whether the next watch continues the count load_state_dict gave
 
     def __deepcopy__(self, memo: dict[int, object]) -> FabricTelemetry:
         """The telemetry itself: a copy would be a second, unattached handle on the same run.
@@ -179,6 +182,10 @@ class FabricTelemetry(TelemetryOptions):
         if self._watching:
             raise ConfigurationError("this FabricTelemetry already watches a model; finish() first")
         self._watching = True
+        self._should_stop = False
+        if not self._resumes:  # each watch counts from 0, unless it continues a loaded state
+            self._step = self._next_sample_id = 0
+        self._resumes = False
         main = fabric.is_global_zero
         folder, run_id = self.agree_on_run(
             fabric.broadcast, main=main, choose=lambda run_id: self._choose_folder(fabric, run_id)
@@ -211,7 +218,12 @@ class FabricTelemetry(TelemetryOptions):
             self._clock.follow(checked)
 
     def finish(self) -> None:
-        """Remove every hook and finalize the run directory. Safe to call again."""
+        """Remove every hook and finalize the run directory. Safe to call again.
+
+        ``state_dict`` still holds the finished run's count; a later ``watch`` (a new fold, a new
+        ``Fabric``) counts steps and sample ids from 0 again, unless ``load_state_dict`` is
+        given a saved state before it.
+        """
         clock, self._clock = self._clock, None
         if clock is not None:
             clock.remove()
@@ -228,9 +240,13 @@ class FabricTelemetry(TelemetryOptions):
         return {"step": self._step, "next_sample_id": self._next_sample_id}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue a saved run (``fabric.load``), before its first sampled forward."""
+        """Continue a saved run (``fabric.load``), before its first sampled forward.
+
+        Given before ``watch`` (or ``fabric.setup``), it is the count that watch continues.
+        """
         self._step = int(state_dict["step"])
         self._next_sample_id = int(state_dict["next_sample_id"])
+        self._resumes = not self._watching
         if self._observer is not None:
             self._observer.continue_from(self._next_sample_id)
             self._begin()
