@@ -380,3 +380,49 @@ def test_a_non_finite_loss_samples_the_next_steps_densely(tmp_path: pathlib.Path
         optimizer.zero_grad()
     fabric.call("on_train_end")
     assert _samples(tmp_path / "r")["step"].to_list() == [0, 2, 3]
+
+
+class _GAN(nn.Module):
+    """A generator and a discriminator kept together; the loop calls them, never ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.D = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def test_a_loop_calling_the_model_s_parts_is_sampled_through_them(tmp_path: pathlib.Path) -> None:
+    """``gan.G(z)`` and ``gan.D(x)`` through the model ``fabric.setup`` returned.
+
+    Each call of a part in a sampled step (0, 3, 6) is a sample, four a step, with output
+    gradients where a backward reaches them; both optimizers' steps are recorded there. The
+    parts' hooks go with the run.
+    """
+    torch.manual_seed(0)
+    telemetry = FabricTelemetry(every_n_steps=3, output_dir=tmp_path / "run")
+    fabric = _fabric(telemetry)
+    gan = _GAN()
+    generator = torch.optim.Adam(gan.G.parameters(), lr=1e-3)
+    discriminator = torch.optim.Adam(gan.D.parameters(), lr=1e-3)
+    model, generator, discriminator = fabric.setup(gan, generator, discriminator)
+    telemetry.watch_optimizers(discriminator, generator)
+    for _ in range(7):
+        x, z = torch.randn(8, 8), torch.randn(8, 4)
+        fake = model.G(z)
+        real = nn.functional.softplus(-model.D(x)).mean()
+        d_loss = real + nn.functional.softplus(model.D(fake.detach())).mean()
+        discriminator.zero_grad()
+        fabric.backward(d_loss)
+        discriminator.step()
+        generator.zero_grad()
+        fabric.backward(nn.functional.softplus(-model.D(fake)).mean())
+        generator.step()
+    fabric.call("on_train_end")
+    run = tmp_path / "run"
+    forwards = _samples(run)
+    assert forwards.group_by("step").len().sort("step").rows() == [(0, 4), (3, 4), (6, 4)]
+    assert _samples(run, "step")["step"].to_list() == [0, 0, 3, 3, 6, 6]
+    history = pl.read_parquet(run / "history.parquet")
+    layers = set(history.filter(pl.col("signal") == "output_gradient")["layer"])
+    assert {"G.0", "G.2", "D.0", "D.2"} <= layers
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in gan.modules())

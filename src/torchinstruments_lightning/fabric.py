@@ -13,6 +13,7 @@ from torch import nn
 from torchinstruments_core import ConfigurationError
 from torchinstruments_core.adapter import (
     OptimizerClock,
+    PartCalls,
     RunFolder,
     TelemetryOptions,
     check_optimizers,
@@ -121,6 +122,8 @@ class FabricTelemetry(TelemetryOptions):
         self._step = 0
         self._next_sample_id = 0
         self._resumes = False  # whether the next watch continues the count load_state_dict gave
+        self._parts: PartCalls | None = None  # a loop calling the model's parts
+        self._sampling: int | None = None  # the step in progress, if sampled
 
     def __deepcopy__(self, memo: dict[int, object]) -> FabricTelemetry:
         """The telemetry itself: a copy would be a second, unattached handle on the same run.
@@ -227,6 +230,9 @@ class FabricTelemetry(TelemetryOptions):
         clock, self._clock = self._clock, None
         if clock is not None:
             clock.remove()
+        parts, self._parts = self._parts, None
+        if parts is not None:
+            parts.remove()
         observer, self._observer = self._observer, None
         if observer is not None:
             self._next_sample_id = observer.next_sample_id
@@ -276,6 +282,14 @@ class FabricTelemetry(TelemetryOptions):
             on_optimizer=self._observer.watch_optimizer,
             optimizers=optimizers,
         )
+        observer = self._observer
+        self._parts = PartCalls(  # a loop that calls the model's parts (``gan.G(z)``)
+            model,
+            lambda: observer.training_forwards,
+            lambda: self._sampling,
+            observer.open_sample,
+            observer.finish_forward,
+        )
         self._begin()
 
     def _on_optimizer_step(self) -> None:
@@ -289,6 +303,7 @@ class FabricTelemetry(TelemetryOptions):
     def _begin(self) -> None:
         assert self._observer is not None
         sampled = self._watch.begin_step(self._step) if self._watch else self.is_sampled(self._step)
+        self._sampling = self._step if sampled else None
         self._observer.begin_step(self._step, sample=sampled)
 
     @property

@@ -261,7 +261,7 @@ def _handler_calling(
         for candidate in gc.get_objects()
         if type(candidate) is CallbackHandler
         and any(cb is callback for cb in candidate.callbacks)
-        and all(getattr(candidate, name) is event.get(name) for name in HANDED)
+        and all(getattr(candidate, name, None) is event.get(name) for name in HANDED)
     ]
     if len(found) > 1:
         warnings.warn(_ambiguous(len(found), folder), ObservationWarning, stacklevel=2)
