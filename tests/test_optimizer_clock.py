@@ -236,3 +236,50 @@ def test_a_subclass_step_calling_its_parent_s_ticks_once(given: bool) -> None:
         _step(model, optimizer)
     clock.remove()
     assert len(ticks) == 5
+
+
+def test_step_calls_tell_the_outermost_call_by_its_frames() -> None:
+    """``StepCalls`` on frames of its own: nested, left open by a call that raised, unknown."""
+    import sys
+
+    from torchinstruments_core._step_calls import StepCalls
+
+    calls = StepCalls()
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    seen: list[tuple[str, bool]] = []
+
+    def inner() -> None:
+        frame = sys._getframe()
+        seen.append(("inner enter", calls.enter(optimizer, frame)))
+        seen.append(("inner leave", calls.leave(optimizer, frame)))
+
+    def outer() -> None:
+        frame = sys._getframe()
+        seen.append(("outer enter", calls.enter(optimizer, frame)))
+        inner()
+        seen.append(("outer leave", calls.leave(optimizer, frame)))
+
+    outer()
+    assert seen == [
+        ("outer enter", True),
+        ("inner enter", False),
+        ("inner leave", False),
+        ("outer leave", True),
+    ]
+    assert not calls.open
+
+    def raising() -> None:
+        calls.enter(optimizer, sys._getframe())
+        raise RuntimeError("the step failed")
+
+    with pytest.raises(RuntimeError):
+        raising()
+    assert calls.open  # kept until a later call finds it gone
+    seen.clear()
+    outer()
+    assert seen[0] == ("outer enter", True)
+    assert seen[-1] == ("outer leave", True)
+    with pytest.raises(RuntimeError):
+        raising()
+    assert calls.leave(optimizer, sys._getframe())  # the kept call is not running: outermost
+    assert not calls.open

@@ -54,9 +54,13 @@ class StepCalls:
         return False
 
     def leave(self, optimizer: torch.optim.Optimizer, frame: FrameType) -> bool:
-        """A post-hook: whether its call is the outermost (then forgotten), or none was kept."""
+        """A post-hook: whether its call is the outermost (then forgotten), or none was kept.
+
+        Only a call found running inside the kept one is not: a kept frame no longer on the
+        stack (its call raised) is forgotten, and this call taken for the outermost.
+        """
         opened = self.open.get(id(optimizer))
-        if opened is not None and opened is not frame:
+        if opened is not None and opened is not frame and on_stack(opened, frame.f_back):
             return False
         self.open.pop(id(optimizer), None)
         return True
