@@ -361,6 +361,53 @@ def test_resume_continues_sample_ids_and_steps_without_overwriting(tmp_path: pat
     assert resumed["run_id"][0] != first_samples["run_id"][0]
 
 
+class _Evaluated(Regressor):
+    """A Regressor that can also be tested and predicted with."""
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0])
+
+
+def _samples(monitor: TelemetryMonitor) -> pl_.DataFrame:
+    assert monitor.run_directory is not None
+    return pl_.read_parquet(monitor.run_directory / "samples.parquet").sort("sample_id")
+
+
+@pytest.mark.parametrize(
+    ("stage", "option"),
+    [("validate", "sample_validation"), ("test", "sample_test"), ("predict", "sample_predict")],
+)
+def test_a_checkpoint_saved_after_a_sampled_evaluation_resumes_the_fit(
+    tmp_path: pathlib.Path, stage: str, option: str
+) -> None:
+    """A sampled validate, test or predict run is a run of its own, never the checkpoint's.
+
+    Saved after it, the checkpoint holds the fit's run id and next sample id: the fit resumed
+    from it continues the fit's ids (4 on), not the evaluation's (0, 1).
+    """
+    monitor = TelemetryMonitor(every_n_steps=2)
+    setattr(monitor, option, True)
+    quiet = {"logger": False, "enable_checkpointing": False}
+    fitting = trainer(tmp_path, max_steps=4, callbacks=[monitor], **quiet)
+    model = _Evaluated()
+    fitting.fit(model, loader())
+    fit_run = _samples(monitor)["run_id"][0]
+    getattr(fitting, stage)(model, loader(batches=2))
+    evaluated = _samples(monitor)
+    assert evaluated["sample_id"].to_list() == [0, 1]
+    assert evaluated["run_id"][0] != fit_run
+    fitting.save_checkpoint(tmp_path / "after.ckpt")
+    (state,) = torch.load(tmp_path / "after.ckpt", weights_only=False)["callbacks"].values()
+    assert (state["run_id"], state["next_sample_id"]) == (fit_run, 4)
+    resumed = TelemetryMonitor(every_n_steps=2)
+    later = trainer(tmp_path, max_steps=6, callbacks=[resumed], **quiet)
+    later.fit(_Evaluated(), loader(), ckpt_path=tmp_path / "after.ckpt")
+    assert _samples(resumed).select("sample_id", "step").rows() == [(4, 4), (5, 4)]
+
+
 class _Sized(Regressor):
     """A Regressor with what the tuner adjusts: a learning rate and the loader's batch size."""
 

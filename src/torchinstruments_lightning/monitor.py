@@ -93,7 +93,10 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         A fit resumed from a checkpoint (``ckpt_path``) continues the checkpoint's sample ids and
         step axis under a new ``run_id``, in ``<that folder>-resumed-<k>/`` (the first run's
         ``<name>``, kept in the checkpoint), beside the first run's when the log dir is the same.
-        Global rank 0 logs the folder chosen (INFO); nothing is ever overwritten.
+        Global rank 0 logs the folder chosen (INFO); nothing is ever overwritten. A checkpoint
+        holds the last fit's run, also when saved during or after a sampled validate, test or
+        predict run (``trainer.save_checkpoint`` after ``trainer.test``): a fit resumed from it
+        continues the fit, never the evaluation.
 
     It takes every option of ``TelemetryOptions`` (``every_n_steps`` also positionally), plus
     the ones below.
@@ -126,7 +129,9 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         self._run_directory: Path | None = None
         self._sampled_step: int | None = None  # the step of the batch being sampled, if any
         self._phase = 1  # which forward and backward of its training_step (manual optimization)
-        # The state a checkpoint saves now, and the one restored for the next attach.
+        self._stage: TrainerFn | None = None  # the stage attached in, until it ends
+        # The state a checkpoint saves now (the last fit's run), and the one restored for the
+        # next attach.
         self._state: dict[str, Any] = {}
         self._restored: dict[str, Any] | None = None
         # Whether this fit restored a checkpoint (not a tuner's own), and whether the one being
@@ -268,7 +273,9 @@ class TelemetryMonitor(Callback, TelemetryOptions):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self._observer is not None:
+        # Only a fit's run goes on from a checkpoint: a sampled test, validate or predict run is
+        # a run of its own, and a checkpoint saved during or after it holds the last fit's.
+        if self._observer is not None and self._stage == TrainerFn.FITTING:
             self._state["next_sample_id"] = self._observer.next_sample_id
         return dict(self._state)
 
@@ -303,8 +310,9 @@ class TelemetryMonitor(Callback, TelemetryOptions):
             self._observer.flush()
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._observer is not None:
+        if self._stage is not None:  # a validation inside the fit: the fit's run goes on
             return
+        self._stage = trainer.state.fn
         resume = self._resume(trainer)
         # Collective calls (log_dir, broadcast, barrier): every rank takes part before any rank
         # decides not to observe.
@@ -318,9 +326,11 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         first = _first_sample_id(resume)
         if self.observes(main=trainer.is_global_zero):
             self._inject(trainer, pl_module, folder, run_id, first)
-        self._state = {"next_sample_id": first, "run_id": run_id}
+        if self._stage == TrainerFn.FITTING:
+            self._state = {"next_sample_id": first, "run_id": run_id}
+            if folder is not None:
+                self._state["run_name"] = folder.name
         if folder is not None:
-            self._state["run_name"] = folder.name
             rank_zero_info(f"TelemetryMonitor: {_describe(run_id, resume)} {folder.path.resolve()}")
         # Every rank holds its sink before any creates its rank-NNN/ folder (at its first
         # sample); a sink built later would take that folder for an older run's.
@@ -381,8 +391,10 @@ class TelemetryMonitor(Callback, TelemetryOptions):
 
     def _detach(self) -> None:
         observer, self._observer = self._observer, None
+        fitting, self._stage = self._stage == TrainerFn.FITTING, None
         if observer is not None:
-            self._state["next_sample_id"] = observer.next_sample_id
+            if fitting:
+                self._state["next_sample_id"] = observer.next_sample_id
             observer.remove()
 
 
