@@ -270,3 +270,43 @@ def test_a_step_that_raises_in_fit_keeps_what_was_measured_before_it(
     result = json.loads((run / "result.json").read_text())
     assert result["lost"]["samples"] == 0
     assert result["step_records"]["count"] == 3
+
+
+class _AccumulatedByHand(Recorded):
+    """Manual optimization accumulating two batches by hand (Lightning's documented pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+        x, y = batch
+        optimizer = self.optimizers()
+        self.manual_backward((self.net(x) - y).square().mean() / 2)
+        if (batch_idx + 1) % 2 == 0:
+            optimizer.step()  # type: ignore[union-attr]
+            optimizer.zero_grad()  # type: ignore[union-attr]
+
+
+def test_manual_accumulation_records_the_step_that_ends_a_sampled_batch_s(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Under manual optimization the optimizer step a sampled batch's gradients go into is recorded.
+
+    Batches 0, 3 and 6 are sampled (every 3 of Lightning's batch count); the optimizer steps
+    after batches 1, 3, 5 and 7. Batch 3's own step is recorded, and batches 0 and 6, which
+    step nothing, have the next step recorded at their step: optimizer steps 0, 1 and 3, with
+    the accumulated gradients they used, and no step noted skipped.
+    """
+    model = _AccumulatedByHand()
+    run = _fit(tmp_path, model, precision="64-true", max_steps=4, every_n_steps=3)
+    assert model.reference is not None
+    assert len(model.reference.steps) == 4
+    rows = _step_rows(run)
+    assert sorted(rows) == [0, 3, 6]
+    for step, optimizer_step in [(0, 0), (3, 1), (6, 3)]:
+        _check(rows[step], model.reference.steps[optimizer_step], rel=1e-9)
+    records = pl.read_parquet(run / "samples.parquet").sort("sample_id")
+    assert records.select("step", "kind", "note").rows() == [
+        (step, kind, None) for step in (0, 3, 6) for kind in ("forward", "step")
+    ]

@@ -57,6 +57,9 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     ``gradient_clip_val`` clipping), the update with ``update_to_weight``, the optimizer's state
     and the whole-model gradient and update norms (``step_signals`` chooses which). A sampled
     step whose optimizer step the fp16 GradScaler skips has only a note in ``samples.parquet``.
+    Under manual optimization a sampled batch that steps no optimizer (gradients accumulated by
+    hand) has the first optimizer step after it recorded at its step, unless another sampled
+    batch comes first (then its step record is noted skipped; README "Limits").
 
     Non-finite values: the loss a ``training_step`` returns (``outputs["loss"]``, or the
     tensor itself) is checked at each batch end without waiting for the device and read at the
@@ -129,6 +132,10 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         self._run_directory: Path | None = None
         self._sampled_step: int | None = None  # the step of the batch being sampled, if any
         self._phase = 1  # which forward and backward of its training_step (manual optimization)
+        # Under manual optimization, trainer.global_step (its optimizer steps) as the last
+        # sampled batch began, while no optimizer has stepped since (gradients accumulated by
+        # hand): that batch's step window stays open for the step its gradients go into.
+        self._steps_at_sample: int | None = None
         self._stage: TrainerFn | None = None  # the stage attached in, until it ends
         # The state a checkpoint saves now (the last fit's run), and the one restored for the
         # next attach.
@@ -191,16 +198,20 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         if self._observer is None:
             return
         step = logging_step(trainer)
+        sampled = self._watch is not None and self._watch.begin_step(step)
         # The step, not the root forward, is the sampling unit: a training_step may call only
         # submodules, so samples are opened explicitly and root forwards never sample by themselves.
-        self._observer.begin_step(step, sample=False)
+        if sampled or not self._awaits_optimizer_step(trainer):
+            self._observer.begin_step(step, sample=False)
         self._sampled_step = None
         self._phase = 1  # the forward and backward of a training_step under way
-        if self._watch is not None and self._watch.begin_step(step):
+        if sampled:
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             self._observer.set_gradient_scale(self.gradient_scale(scaler, pl_module.device))
             self._observer.open_sample(step)
             self._sampled_step = step
+            if not pl_module.automatic_optimization:
+                self._steps_at_sample = trainer.global_step
 
     @override
     def on_before_backward(
@@ -299,6 +310,19 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         self._restored = dict(state_dict)
         self._state = dict(state_dict)
 
+    def _awaits_optimizer_step(self, trainer: pl.Trainer) -> bool:
+        """Whether the last sampled batch's gradients still wait for an optimizer step.
+
+        Under manual optimization a batch may step no optimizer (gradients accumulated by hand
+        over several batches); until one steps, the batches after it announce no step of their
+        own, so that the sampled batch's step window stays open and the optimizer step its
+        gradients go into is recorded, at its step. ``global_step`` counts optimizer steps there.
+        """
+        if self._steps_at_sample == trainer.global_step:
+            return True
+        self._steps_at_sample = None
+        return False
+
     def _open_forward_only(self, trainer: pl.Trainer) -> None:
         if self._observer is not None:
             self._observer.set_gradient_scale(None)
@@ -392,6 +416,7 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     def _detach(self) -> None:
         observer, self._observer = self._observer, None
         fitting, self._stage = self._stage == TrainerFn.FITTING, None
+        self._steps_at_sample = None
         if observer is not None:
             if fitting:
                 self._state["next_sample_id"] = observer.next_sample_id
