@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import json
 import pathlib
 import warnings
+from contextlib import nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -187,6 +189,35 @@ def test_sample_validation_adds_forward_only_samples(tmp_path: pathlib.Path) -> 
     ]
 
 
+class _ValidatingOnce(Regressor):
+    """Validation batch 1 runs no forward: it returns, or raises, before it."""
+
+    def __init__(self, raises: bool) -> None:
+        super().__init__()
+        self.raises = raises
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 1 and self.raises:
+            raise ValueError("failure before the validation forward")
+        if batch_idx != 1:
+            super().validation_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
+def test_a_validation_batch_without_a_forward_leaves_no_sample(
+    tmp_path: pathlib.Path, raises: bool
+) -> None:
+    """A sampled validation batch that returns or raises before its forward has no sample."""
+    monitor = TelemetryMonitor(every_n_steps=2, sample_validation=True)
+    fitting = trainer(tmp_path, max_steps=4, val_check_interval=4, callbacks=[monitor])
+    with pytest.raises(ValueError, match="before the validation") if raises else nullcontext():
+        fitting.fit(_ValidatingOnce(raises), loader(), loader(batches=3))
+    forward = _samples(monitor).filter(pl_.col("kind") == "forward")
+    validation = [(3, True), (3, True)] if not raises else [(3, True)]
+    assert forward.select("step", "forward_only").rows() == [(0, False), (2, False), *validation]
+    assert all(rows > 0 for rows in forward["rows"])
+
+
 def test_manual_optimization(tmp_path: pathlib.Path) -> None:
     """With manual optimization, sampled steps have forward and gradient rows.
 
@@ -311,6 +342,97 @@ def test_manual_optimization_samples_every_phase_of_a_sampled_step(tmp_path: pat
     first, second = phases.rows()[0], phases.rows()[1]
     assert first[1:] == (["critic.0", "generator.0", "generator.1"], 0)
     assert second[1:] == (["critic.0"], 1)  # two critic calls, the generator's output detached
+
+
+class _Skipping(Regressor):
+    """Batch 2 of each epoch runs no forward: ``training_step`` returns ``None`` before it."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:  # type: ignore[override]
+        return None if batch_idx == 2 else super().training_step(batch, batch_idx)
+
+
+class _EndingEpochs(Regressor):
+    """``on_train_batch_start`` returns -1 at batch 2: each epoch ends before its forward."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if batch_idx == 2 else None
+
+
+class _SkippingByHand(Regressor):
+    """Batch 2 of each epoch runs no forward, under manual optimization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+        if batch_idx != 2:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()  # type: ignore[union-attr]
+            self.manual_backward(super().training_step(batch, batch_idx))
+            optimizer.step()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("model", "forwards"),
+    [(_Skipping(), [0, 4, 6, 8]), (_EndingEpochs(), [0, 2]), (_SkippingByHand(), [0, 4, 6, 8])],
+    ids=["training_step_returns_none", "on_train_batch_start_returns_-1", "manual_optimization"],
+)
+@pytest.mark.filterwarnings("ignore:`training_step` returned `None`")
+def test_a_sampled_batch_without_a_forward_leaves_no_sample(
+    tmp_path: pathlib.Path, model: Regressor, forwards: list[int]
+) -> None:
+    """A sampled step that runs no forward (a skipped batch) has no sample, empty or forward-only.
+
+    Batch 2 is sampled and skipped: ``training_step`` returns ``None`` (step 2 still has the
+    optimizer step Lightning takes), or ``on_train_batch_start`` returns -1 (the epoch ends,
+    and the next one's first batch is step 2 again, sampled with its forward; the second
+    epoch ends at step 4). The samples are the forwards that ran,
+    with their rows; ``result.json`` counts no forward-only sample and the CSV logger gets no
+    ``telemetry/forward_only/`` key.
+    """
+    csv_logger = CSVLogger(tmp_path, name="csv")
+    monitor = TelemetryMonitor(every_n_steps=2)
+    trainer(tmp_path, max_epochs=2, logger=csv_logger, callbacks=[monitor]).fit(
+        model, loader(batches=5)
+    )
+    samples = _samples(monitor)
+    forward = samples.filter(pl_.col("kind") == "forward")
+    assert forward["step"].to_list() == forwards
+    assert not any(forward["forward_only"])
+    assert all(rows > 0 for rows in forward["rows"])
+    assert samples["sample_id"].to_list() == list(range(samples.height))
+    assert monitor.run_directory is not None
+    result = json.loads((monitor.run_directory / "result.json").read_text())
+    assert (result["samples"]["count"], result["samples"]["forward_only"]) == (len(forwards), 0)
+    with open(pathlib.Path(csv_logger.log_dir) / "metrics.csv") as handle:
+        columns = next(csv.reader(handle))
+    assert "telemetry/net.0/output/rms" in columns
+    assert not [c for c in columns if c.startswith("telemetry/forward_only/")]
+
+
+class _Minimized(Regressor):
+    """LBFGS, whose closure re-evaluates ``training_step``; it calls the LightningModule itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return (self(x) - y).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+def test_an_lbfgs_closure_s_re_evaluations_stay_unsampled(tmp_path: pathlib.Path) -> None:
+    """A sampled step is its first forward and backward and its optimizer step, once each."""
+    monitor = TelemetryMonitor(every_n_steps=2)
+    trainer(tmp_path, max_steps=4, callbacks=[monitor]).fit(_Minimized(), loader())
+    samples = _samples(monitor)
+    assert samples.select("step", "kind", "forward_only").rows() == [
+        (step, kind, False) for step in (0, 2) for kind in ("forward", "step")
+    ]
 
 
 def test_exception_mid_fit_removes_hooks_and_finalizes(tmp_path: pathlib.Path) -> None:

@@ -42,7 +42,10 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     them shifts the training schedule. Under manual optimization each forward and backward of a
     sampled step's ``training_step`` is a sample of its own at that step (a GAN's generator
     phase, then its discriminator phase): after each ``manual_backward`` the next selected module
-    to run, if any, starts another sample.
+    to run, if any, starts another sample. Every sample starts at the first selected module that
+    runs: a sampled batch that runs none (``training_step`` returned ``None``,
+    ``on_train_batch_start`` returned -1, a validation batch that returned or raised before its
+    forward) leaves no sample.
 
     Hooks are placed on the ``LightningModule`` when fitting starts (or a sampled validate, test or
     predict run starts) and removed on teardown and on an exception (``KeyboardInterrupt``
@@ -195,30 +198,29 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._observer is None:
+        observer = self._observer
+        if observer is None:
             return
         step = logging_step(trainer)
         sampled = self._watch is not None and self._watch.begin_step(step)
-        # The step, not the root forward, is the sampling unit: a training_step may call only
-        # submodules, so samples are opened explicitly and root forwards never sample by themselves.
-        if sampled or not self._awaits_optimizer_step(trainer):
-            self._observer.begin_step(step, sample=False)
-        self._sampled_step = None
+        self._sampled_step = step if sampled else None
         self._phase = 1  # the forward and backward of a training_step under way
         if sampled:
-            scaler = getattr(trainer.precision_plugin, "scaler", None)
-            self._observer.set_gradient_scale(self.gradient_scale(scaler, pl_module.device))
-            self._observer.open_sample(step)
-            self._sampled_step = step
-            if not pl_module.automatic_optimization:
-                self._steps_at_sample = trainer.global_step
+            self._open_training_sample(observer, trainer, pl_module, step)
+        elif not self._awaits_optimizer_step(trainer):
+            observer.begin_step(step, sample=False)
 
     @override
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any
     ) -> None:
-        if self._observer is not None:
-            self._observer.finish_forward()
+        if self._observer is None:
+            return
+        self._observer.finish_forward()
+        step = self._sampled_step
+        if step is not None and pl_module.automatic_optimization:
+            # the step's forward is done: an LBFGS closure's re-evaluations stay unsampled
+            self._observer.begin_step(step, sample=False)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -247,6 +249,14 @@ class TelemetryMonitor(Callback, TelemetryOptions):
             self._sampled_step = None
             if self._watch.act():  # on_nonfinite="stop"; "raise" raises here and ends the fit
                 trainer.should_stop = True
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # on_train_batch_start returned -1: the epoch ended before the sampled batch's end
+        if self._observer is not None and self._sampled_step is not None:
+            self._observer.finish_forward()
+            self._observer.end_step()
+            self._sampled_step = None
 
     @override
     def on_validation_batch_start(
@@ -310,6 +320,26 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         self._restored = dict(state_dict)
         self._state = dict(state_dict)
 
+    def _open_training_sample(
+        self, observer: Observer, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int
+    ) -> None:
+        """Open the sample of a sampled training batch, started by its first selected module.
+
+        The step, not the root forward, is the sampling unit: a training_step may call only
+        submodules, so the sample is opened explicitly; lazily, so that a batch that runs no
+        forward (``training_step`` returned ``None``, ``on_train_batch_start`` returned -1)
+        leaves no sample. Under automatic optimization the step is announced sampled, which
+        opens its optimizer step window now: the optimizer's closure runs the forward only
+        after the optimizer's step has begun.
+        """
+        automatic = pl_module.automatic_optimization
+        observer.begin_step(step, sample=automatic)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        observer.set_gradient_scale(self.gradient_scale(scaler, pl_module.device))
+        observer.open_sample(step, lazy=True)
+        if not automatic:
+            self._steps_at_sample = trainer.global_step
+
     def _awaits_optimizer_step(self, trainer: pl.Trainer) -> bool:
         """Whether the last sampled batch's gradients still wait for an optimizer step.
 
@@ -326,7 +356,8 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     def _open_forward_only(self, trainer: pl.Trainer) -> None:
         if self._observer is not None:
             self._observer.set_gradient_scale(None)
-            self._observer.open_sample(logging_step(trainer))
+            # lazily: a batch that raises or returns before its forward leaves no sample
+            self._observer.open_sample(logging_step(trainer), lazy=True)
 
     def _finish_forward_only(self) -> None:
         if self._observer is not None:
