@@ -88,12 +88,17 @@ def test_fresh_wandb_runs_sharing_a_directory_get_folders_named_after_them(
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["all", "rank0"])
 def test_ddp_spawn_two_processes(tmp_path: pathlib.Path, policy: str) -> None:
-    """'all': one directory per rank; 'rank0': only rank 0's. Names carry no wrapper prefix."""
+    """'all': one directory per rank; 'rank0': only rank 0's. Names carry no wrapper prefix.
+
+    The spawned processes attach; the launching process's callback never does, and Lightning
+    hands no callback state back to it (the documented limit).
+    """
     monitor = TelemetryMonitor(every_n_steps=2, rank_policy=policy)
     fit = trainer(
         tmp_path, max_steps=4, devices=2, strategy="ddp_spawn", callbacks=[monitor], logger=False
     )
     fit.fit(Regressor(), loader())
+    assert (monitor.run_directory, monitor.observer, monitor.state_dict()) == (None, None, {})
     (telemetry,) = (tmp_path / "telemetry").iterdir()  # no logger: named after the run id
     if policy == "all":
         ranks = sorted(p.name for p in telemetry.glob("rank-*"))

@@ -156,7 +156,13 @@ class TelemetryMonitor(Callback, TelemetryOptions):
 
     @property
     def run_directory(self) -> Path | None:
-        """The current or last run's directory (``None`` before it, or without one)."""
+        """The current or last run's directory (``None`` before it, or without one).
+
+        Under ``strategy="ddp_spawn"`` (and ``ddp_fork``, ``ddp_notebook``) the callback attaches
+        in the processes Lightning starts, and Lightning hands none of a callback's state back
+        to the process that called ``fit``: there it stays ``None``. Global rank 0 logs the
+        folder (INFO): ``output_dir``, if given and free, else as "Runs and folders" says.
+        """
         return self._run_directory
 
     # Attached at the start of the stage, not in setup: a checkpoint's callback state (sample ids
