@@ -310,3 +310,26 @@ def test_manual_accumulation_records_the_step_that_ends_a_sampled_batch_s(
     assert records.select("step", "kind", "note").rows() == [
         (step, kind, None) for step in (0, 3, 6) for kind in ("forward", "step")
     ]
+
+
+def test_manual_accumulation_sampled_every_batch_notes_no_skipped_step(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Every batch sampled, the optimizer stepping after every second one: nothing is skipped.
+
+    The batches that step no optimizer (0, 2, 4, 6) are the loop's own accumulation, not a
+    step the GradScaler skipped: they have no step record, and each optimizer step is recorded
+    at the batch that took it (1, 3, 5, 7), with the gradients of both batches.
+    """
+    model = _AccumulatedByHand()
+    run = _fit(tmp_path, model, precision="64-true", max_steps=4, every_n_steps=1)
+    assert model.reference is not None
+    rows = _step_rows(run)
+    assert sorted(rows) == [1, 3, 5, 7]
+    for index, step in enumerate((1, 3, 5, 7)):
+        _check(rows[step], model.reference.steps[index], rel=1e-9)
+    records = pl.read_parquet(run / "samples.parquet")
+    steps = records.filter(pl.col("kind") == "step").sort("step")
+    assert steps.select("step", "note").rows() == [(step, None) for step in (1, 3, 5, 7)]
+    forwards = records.filter(pl.col("kind") == "forward")
+    assert sorted(forwards["step"]) == list(range(8))

@@ -153,7 +153,7 @@ class Observer:
         """Root forwards run so far with gradients enabled (an evaluation under no_grad is not)."""
         return self._samples.training_forwards
 
-    def begin_step(self, step: int, *, sample: bool) -> None:
+    def begin_step(self, step: int, *, sample: bool, note_unstepped: bool = True) -> None:
         """Announce that the coming root forwards belong to trainer step ``step``.
 
         Every root forward until ``end_step`` is sampled when ``sample`` is true (all micro-batches
@@ -164,9 +164,14 @@ class Observer:
         A sampled step arms the per-module hooks now, before its first forward, and keeps them
         until ``end_step``: a compiled model then runs the whole step as plain Python (see
         ``force_eager``) instead of compiling a variant of its graph with the hooks in it.
+
+        ``note_unstepped``: whether this step, if sampled and ended before any watched optimizer
+        stepped, has a step record noted ``optimizer_step_skipped`` (the fp16 GradScaler skipped
+        ``optimizer.step()``). ``False`` where a step without one is the loop's own doing
+        (gradients accumulated by hand under Lightning's manual optimization).
         """
         self._plan.begin(step, sample=sample)
-        self._optimizers.announced(step, sample=sample)
+        self._optimizers.announced(step, sample=sample, note_unstepped=note_unstepped)
         if sample:
             self._samples.arm_for_step()
         else:

@@ -161,6 +161,7 @@ class OptimizerProbe:
         self._stepping = False  # between a claimed pre-hook and its post-hook
         self._sampled_step: int | None = None  # the step in progress, when announced sampled
         self._announced = False  # an adapter announces the steps (not a plain loop)
+        self._quiet = False  # the open window's step, unstepped, is noted (``announced``)
         self._buffers = CopyBuffers()  # the parameters' copies' memory, from step to step
         # the optimizers found changing a gradient they were thought to leave alone
         self._writers: set[int] = set()
@@ -207,17 +208,18 @@ class OptimizerProbe:
         if not self._stepping:
             self._note(self._window.sampled(step))
 
-    def announced(self, step: int, *, sample: bool) -> None:
-        """An adapter began trainer step ``step``."""
+    def announced(self, step: int, *, sample: bool, note_unstepped: bool = True) -> None:
+        """An adapter began trainer step ``step``; see ``Observer.begin_step``."""
         self._announced = True
         self._stepping = False
         self._sampled_step = step if sample else None
-        self._note(self._window.announced(step))
+        self._note(self._window.announced(step))  # the window of the step before, as it was told
+        self._quiet = not note_unstepped  # for the window of this step
         if sample:
             self.sampled(step)
 
     def _note(self, unstepped: int | None) -> None:
-        if unstepped is None:
+        if unstepped is None or self._quiet:
             return
         record = self._lifecycle.open_step(unstepped, note=STEP_SKIPPED)
         if record is not None:

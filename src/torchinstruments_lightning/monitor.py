@@ -62,7 +62,8 @@ class TelemetryMonitor(Callback, TelemetryOptions):
     step whose optimizer step the fp16 GradScaler skips has only a note in ``samples.parquet``.
     Under manual optimization a sampled batch that steps no optimizer (gradients accumulated by
     hand) has the first optimizer step after it recorded at its step, unless another sampled
-    batch comes first (then its step record is noted skipped; README "Limits").
+    batch comes first (then that batch's step is the one recorded); such a batch is never
+    noted skipped, a GradScaler's skip under manual optimization neither.
 
     Non-finite values: the loss a ``training_step`` returns (``outputs["loss"]``, or the
     tensor itself) is checked at each batch end without waiting for the device and read at the
@@ -339,7 +340,8 @@ class TelemetryMonitor(Callback, TelemetryOptions):
         after the optimizer's step has begun.
         """
         automatic = pl_module.automatic_optimization
-        observer.begin_step(step, sample=automatic)
+        # by hand, a batch may step no optimizer: not a skipped step (``_awaits_optimizer_step``)
+        observer.begin_step(step, sample=automatic, note_unstepped=automatic)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         observer.set_gradient_scale(self.gradient_scale(scaler, pl_module.device))
         observer.open_sample(step, lazy=True)
