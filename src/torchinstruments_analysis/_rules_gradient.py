@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 class GradientSteps:
     """Output-gradient rms of adjacent layers (backward order) apart by ``gradient_step_factor``.
 
-    Gives ``vanishing_gradient`` and ``exploding_gradient`` findings.
+    Gives ``vanishing_gradient`` and ``exploding_gradient`` findings. Adjacent is in execution
+    order: the gradient's path in a chain, not where branches run side by side (attention's
+    query, key and value; a gated MLP's gate and up projections) or a residual adds to it.
     """
 
     def __init__(self, context: RuleContext) -> None:
@@ -49,8 +51,8 @@ class GradientSteps:
                 row["ratio"],
                 factor,
                 f"the output-gradient rms of {row['layer']} is {row['ratio']:.3g} times "
-                f"that of {row['_next_layer']}, the layer after it that the gradient comes "
-                f"from (beyond {factor:g}x) at {base.where(row, self.context)}{base.held(row)}",
+                f"that of {row['_next_layer']}, the next observed layer in execution order "
+                f"(beyond {factor:g}x) at {base.where(row, self.context)}{base.held(row)}",
             )
             for rule, onsets in self.onsets.items()
             for row in onsets.rows()

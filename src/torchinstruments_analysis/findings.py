@@ -13,8 +13,9 @@ Rules (``Rule``), all thresholds in ``Thresholds``:
   ``saturation_margin`` of a bound (read from the quartiles: ``p75`` near the lower bound, ``p25``
   near the upper one, or both at once).
 - ``vanishing_gradient`` / ``exploding_gradient``: the output gradient's ``rms`` of a layer
-  against that of the layer after it in forward order (the one the gradient comes from) below
-  ``1 / gradient_step_factor`` or above ``gradient_step_factor``.
+  against that of the next observed layer in forward order below ``1 / gradient_step_factor``
+  or above ``gradient_step_factor``: in a chain the layer its gradient comes from; in a model
+  with parallel branches or residual adds not always (see the README's Limits).
 - ``gradient_growth``: a layer's output-gradient ``rms`` grew more than ``gradient_growth_factor``
   times from its first ``window`` samples to its last ``window`` (shrinking is what converging
   training does, so only growth is named).
