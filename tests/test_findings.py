@@ -113,6 +113,7 @@ def test_gradient_steps_name_the_layer_before_a_gain(tmp_path, gain, rule) -> No
     )
     ratio = steps.item(0, "value")
     assert ratio == pytest.approx(gain, rel=1e-3)
+    assert "that of gain, the next observed layer in execution order" in steps.item(0, "message")
 
 
 def test_gradient_growth_names_gradients_growing_over_steps(tmp_path, healthy) -> None:
