@@ -172,3 +172,95 @@ def test_part_calls_are_found_through_wrappers(wrap: str) -> None:
     gan.G(torch.randn(2, 4))
     assert parts.count == 3
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in gan.modules())
+
+
+class _Codec(nn.Module):
+    """Parts that are themselves observed layers: the loop calls ``dec(relu(enc(x)))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 8)
+        self.dec = nn.Linear(8, 4)
+
+
+def test_parts_that_are_observed_layers_have_their_own_rows(tmp_path: pathlib.Path) -> None:
+    """A part that is a leaf (an observed layer) is measured in the sample its call opened."""
+    telemetry = TelemetryTracker(every_n_steps=2, output_dir=tmp_path / "run")
+    accelerator = tensorboard_accelerator(tmp_path, telemetry, 1)
+    codec = _Codec()
+    optimizer = torch.optim.SGD(codec.parameters(), lr=0.1)
+    codec, optimizer = accelerator.prepare(codec, optimizer)
+    telemetry.watch(codec, accelerator=accelerator)
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        loss = (codec.dec(torch.relu(codec.enc(x))) - x).square().mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    accelerator.end_training()
+    assert telemetry.run_directory is not None
+    history = pl.read_parquet(telemetry.run_directory / "history.parquet")
+    forward = history.filter(pl.col("signal").is_in(["output", "output_gradient"]))
+    found = forward.select("step", "layer", "signal").unique().sort("step", "layer", "signal")
+    assert found.rows() == [
+        (step, layer, signal)
+        for step in (0, 2)
+        for layer in ("dec", "enc")
+        for signal in ("output", "output_gradient")
+    ]
+
+
+def test_part_calls_in_the_backward_and_in_other_threads(tmp_path: pathlib.Path) -> None:
+    """A checkpointed part's recomputation in the backward is no call; threads count apart.
+
+    ``torch.utils.checkpoint`` runs G again in the backward: neither counted nor sampled. An
+    actor thread blocked inside a part's call (under ``no_grad``) does not hide the training
+    thread's calls, which are counted and sampled in the thread that made them.
+    """
+    import threading
+
+    from torchinstruments_core.adapter import PartCalls
+
+    gan = GAN()
+    opened: list[tuple[int, str]] = []
+    finished: list[str] = []
+    step: list[int | None] = [3]
+    parts = PartCalls(
+        gan,
+        lambda: 0,
+        lambda: step[0],
+        lambda s: opened.append((s, threading.current_thread().name)),
+        lambda: finished.append(threading.current_thread().name),
+    )
+    z = torch.randn(2, 4)
+    fake = torch.utils.checkpoint.checkpoint(gan.G, z, use_reentrant=False)
+    gan.D(fake).sum().backward()
+    assert parts.count == 2
+    assert len(opened) == len(finished) == 2
+    inside, release = threading.Event(), threading.Event()
+
+    def waiting(module: nn.Module, args: object) -> None:
+        if threading.current_thread().name == "actor":
+            inside.set()
+            release.wait(timeout=30)
+
+    hold = gan.D.register_forward_pre_hook(waiting)
+    try:
+
+        def act() -> None:
+            with torch.no_grad():
+                gan.D(torch.randn(2, 8))
+
+        actor = threading.Thread(target=act, name="actor")
+        actor.start()
+        assert inside.wait(timeout=30)
+        gan.D(gan.G(z))
+        release.set()
+        actor.join(timeout=30)
+    finally:
+        hold.remove()
+        release.set()
+    assert parts.count == 4
+    assert opened[2:] == [(3, "MainThread"), (3, "MainThread")]
+    assert finished[2:] == ["MainThread", "MainThread"]
+    parts.remove()

@@ -272,9 +272,12 @@ def test_step_calls_tell_the_outermost_call_by_its_frames() -> None:
         calls.enter(optimizer, sys._getframe())
         raise RuntimeError("the step failed")
 
+    def kept() -> list[str]:
+        return [frame.f_code.co_name for frame, _ in calls.open.values()]
+
     with pytest.raises(RuntimeError):
         raising()
-    assert calls.open  # kept until a later call finds it gone
+    assert kept() == ["raising"]  # kept until a later call finds it gone
     seen.clear()
     outer()
     assert seen[0] == ("outer enter", True)
@@ -283,3 +286,60 @@ def test_step_calls_tell_the_outermost_call_by_its_frames() -> None:
         raising()
     assert calls.leave(optimizer, sys._getframe())  # the kept call is not running: outermost
     assert not calls.open
+
+
+def test_a_step_that_raised_lets_go_of_what_its_frame_held_at_the_next_step() -> None:
+    """The frame a raising step left with the clock is forgotten at any optimizer's next step.
+
+    It held the failed attempt's optimizer, model and the caller's locals (an out-of-memory
+    retry rebuilds both): once another optimizer steps, nothing keeps them alive.
+    """
+    import gc
+    import weakref
+
+    anchor = nn.Linear(4, 1)
+    clock = OptimizerClock(anchor, lambda: None)
+
+    def attempt() -> tuple[weakref.ref[torch.optim.Optimizer], weakref.ref[nn.Module]]:
+        big = nn.Linear(64, 64)
+        optimizer = torch.optim.Adam(big.parameters())
+        big(torch.randn(2, 64)).sum().backward()
+
+        def fail(*args: object) -> None:
+            raise RuntimeError("out of memory")
+
+        optimizer.register_step_pre_hook(fail)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            optimizer.step()
+        return weakref.ref(optimizer), weakref.ref(big)
+
+    refs = attempt()
+    retry = torch.optim.SGD(anchor.parameters(), lr=0.1)
+    _step(anchor, retry)
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]
+    clock.remove()
+
+
+def test_a_compiled_step_reads_no_frame_and_ticks_once() -> None:
+    """Under ``torch.compile`` the hooks read no frame (no graph break for it): one tick a step."""
+    import warnings
+
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ticks: list[None] = []
+    clock = OptimizerClock(model, lambda: ticks.append(None), optimizers=[optimizer])
+
+    @torch.compile(backend="eager")
+    def step() -> None:
+        optimizer.step()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(torch.randn(3, 4)).sum().backward()
+            step()
+            optimizer.zero_grad()
+    clock.remove()
+    assert len(ticks) == 3
+    assert not [w for w in caught if "_getframe" in str(w.message)]

@@ -15,7 +15,6 @@ it for the optimizer step signals: from the optimizer's first step's pre-hook fo
 
 from __future__ import annotations
 
-import sys
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -122,7 +121,7 @@ class OptimizerClock:
         self._calls.forget()
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._calls.enter(optimizer, sys._getframe(1)):
+        if not self._calls.enter(optimizer):
             return  # inside a call of the same optimizer's step
         if self._given or optimizer in self._seen:
             return  # one set lookup on every step after an optimizer's first
@@ -136,7 +135,7 @@ class OptimizerClock:
         self._on_optimizer(optimizer)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._calls.leave(optimizer, sys._getframe(1)):
+        if not self._calls.leave(optimizer):
             return  # a nested call's: the outer call's post-hook counts the step
         followed = self._followed.get(id(optimizer))
         if followed is None or followed() is not optimizer:

@@ -55,6 +55,7 @@ from torchinstruments_core._step_tensors import (
     queue_copies,
     updates,
 )
+from torchinstruments_core._torch_private import compiling
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -228,7 +229,7 @@ class OptimizerProbe:
     # -- the hooks ----------------------------------------------------------------------------
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
-        if self._calls.open and self._calls.nested(optimizer, sys._getframe(1)):
+        if self._calls.open and self._calls.nested(optimizer):
             return None  # a subclass's ``step`` calling the one it overrides: the outer call's
         if self._pending:
             self._abandoned(optimizer)
@@ -236,8 +237,8 @@ class OptimizerProbe:
             if self._announced or not self._window.watching:
                 return None  # the unsampled step's whole cost (with the tests above)
             # a plain loop: a closure may run this step's sampled forward (``_claim_late``)
-            return self._closure_watched(optimizer, args, kwargs, sys._getframe(1))
-        self._calls.enter(optimizer, sys._getframe(1))  # torch's wrapper, calling the hooks
+            return self._closure_watched(optimizer, args, kwargs)
+        self._calls.enter(optimizer)  # torch's wrapper's frame, calling the hooks
         self._stepping = True
         step = self._window.step
         closure = _closure(args, kwargs)
@@ -247,9 +248,7 @@ class OptimizerProbe:
         wrapped = _Once(closure, functools.partial(self._before, optimizer, step))
         return _with_closure(args, kwargs, wrapped)
 
-    def _closure_watched(
-        self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any, frame: FrameType
-    ) -> Any:
+    def _closure_watched(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         """In a plain loop, a step not claimed has its closure (if any) watched.
 
         Its forward is the step's own (LBFGS, an SGD stepped with a closure): a sampled one
@@ -260,14 +259,16 @@ class OptimizerProbe:
         closure = _closure(args, kwargs)
         if closure is None:
             return None
+        frame = None if compiling() else sys._getframe(2)  # torch's wrapper, calling ``_pre``
         late = functools.partial(self._claim_late, optimizer, frame)
         return _with_closure(args, kwargs, _Once(closure, late))
 
-    def _claim_late(self, optimizer: torch.optim.Optimizer, frame: FrameType) -> None:
+    def _claim_late(self, optimizer: torch.optim.Optimizer, frame: FrameType | None) -> None:
         """The watched closure returned: the step is claimed if its forward opened the window."""
         if self._stepping or not self._window.open or not self._window.claim(optimizer):
             return
-        self._calls.enter(optimizer, frame)
+        if frame is not None:
+            self._calls.enter(optimizer, frame)
         self._stepping = True
         self._before(optimizer, self._window.step)
 
@@ -332,7 +333,7 @@ class OptimizerProbe:
             self._stepping = bool(self._pending)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._pending and self._calls.leave(optimizer, sys._getframe(1)):
+        if self._pending and self._calls.leave(optimizer):
             self._after(optimizer)  # (the test is an unsampled step's whole cost)
 
     @collector_paused

@@ -12,17 +12,23 @@ samples, and the tracker's step records waited for a number until the run ended.
 ``model.module(x)``). A call of one of them
 with gradients enabled, outside the model's own forward, is then what a training forward of
 the model is: it counts for the step windows, and in a sampled step it is a sample of its own
-(opened in the pre-hook, its forward finished in the hook). Once the model's own forward runs
+(opened in the pre-hook, its forward finished by a hook added then, after the per-module hooks
+of the sampled step, so that a part that is itself an observed layer is measured first). A
+part's call inside another's, or in the backward (activation checkpointing recomputing it), is
+none; each thread's calls are its own. Once the model's own forward runs
 with gradients enabled (the usual loop) the hooks remove themselves: they cost only loops that
 need them, one hook call a part's call.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from torchinstruments_core._torch_private import in_backward
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -41,7 +47,8 @@ class PartCalls:
         own_forwards: How many training forwards of the model itself ran so far
             (``Observer.training_forwards``); once it is not 0 the hooks go.
         sampled: Whether the step in progress is sampled, and its number: a part's call then
-            opens a sample (``open_sample``) that its return finishes (``finish_forward``).
+            opens a sample (``open_sample``) that its return finishes (``finish_forward``), in
+            the thread that called it.
         open_sample: ``Observer.open_sample``.
         finish_forward: ``Observer.finish_forward``.
     """
@@ -55,14 +62,16 @@ class PartCalls:
         finish_forward: Callable[[], None],
     ) -> None:
         self.count = 0
-        """Training calls of the parts so far (with gradients enabled)."""
+        """Training calls of the parts so far (with gradients enabled, outside a backward)."""
         self.called: list[str] = []
         """The names of the parts called, in the order of their first call."""
         self._own, self._sampled = own_forwards, sampled
         self._open, self._finish = open_sample, finish_forward
-        self._depth = 0  # parts' calls in progress (one part may call another)
-        self._opened = False  # the outermost call in progress opened a sample
+        # per thread: parts' calls in progress (one part may call another), and the hook that
+        # finishes the sample the outermost one opened; another thread's calls are its own
+        self._local = threading.local()
         self._handles: list[RemovableHandle] = []
+        self._finishing: set[RemovableHandle] = set()
         inner = _unwrapped(model)
         parts = [(name, part) for name, part in inner.named_children()]
         if inner is not model:
@@ -73,16 +82,20 @@ class PartCalls:
 
     def _pre_hook(self, name: str) -> Callable[[nn.Module, Any], None]:
         def called(module: nn.Module, args: Any) -> None:
-            self._entered(name)
+            self._entered(name, module)
 
         return called
 
-    def _entered(self, name: str) -> None:
+    def _entered(self, name: str, part: nn.Module) -> None:
         if self._own():  # the model's own forward runs: it is the loop's forward
             self.remove()
             return
-        self._depth += 1
-        if self._depth > 1 or not torch.is_grad_enabled():
+        local = self._local
+        depth = getattr(local, "depth", 0)
+        local.depth = depth + 1
+        # not a training call: nested in another part, without gradients, or a recomputation
+        # in the backward (activation checkpointing)
+        if depth or not torch.is_grad_enabled() or in_backward():
             return
         self.count += 1
         if name not in self.called:
@@ -90,20 +103,30 @@ class PartCalls:
         step = self._sampled()
         if step is not None:
             self._open(step)
-            self._opened = True
+            # registered now, after the per-module hooks the sampled step armed: a part that is
+            # itself an observed layer has its output measured before its sample's forward ends
+            handle = part.register_forward_hook(self._finished, always_call=True)
+            self._finishing.add(handle)
+            local.finishing = handle
 
     def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._handles or self._depth == 0:
-            return  # removed during the call, or entered before the hooks were made
-        self._depth -= 1
-        if self._depth == 0 and self._opened:
-            self._opened = False
-            self._finish()
+        local = self._local
+        local.depth = max(getattr(local, "depth", 0) - 1, 0)
+
+    def _finished(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The outermost part's call returned (or raised): its sample's forward ends."""
+        handle = getattr(self._local, "finishing", None)
+        self._local.finishing = None
+        if handle is not None:
+            handle.remove()
+            self._finishing.discard(handle)
+        self._finish()
 
     def remove(self) -> None:
         """Remove the hooks. Safe to call again."""
         handles, self._handles = self._handles, []
-        for handle in handles:
+        finishing, self._finishing = self._finishing, set()
+        for handle in [*handles, *finishing]:
             handle.remove()
 
 

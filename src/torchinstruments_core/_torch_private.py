@@ -26,6 +26,7 @@ fails loudly instead of silently mis-correlating gradients or mis-measuring memo
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +48,18 @@ def queue_callback(callback: Callable[[], None]) -> None:
 def current_graph_task_id() -> int:
     """Id of the autograd graph task executing on this thread, or -1 outside a backward."""
     return int(torch._C._current_graph_task_id())
+
+
+def compiling() -> bool:
+    """Whether dynamo is tracing the code that calls this (``torch.compile``).
+
+    ``torch.compiler.is_compiling`` (torch 2.3 on), else ``torch._dynamo.is_compiling``; a
+    constant while traced, so that code it guards is never traced.
+    """
+    check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if check is None:  # torch before 2.3
+        check = importlib.import_module("torch._dynamo").is_compiling
+    return bool(check())
 
 
 def in_backward() -> bool:
