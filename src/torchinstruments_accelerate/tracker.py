@@ -285,14 +285,7 @@ class TelemetryTracker(GeneralTracker, TelemetryOptions):  # type: ignore[misc]
             on_optimizer=self._observer.watch_optimizer,
             optimizers=optimizers,
         )
-        observer = self._observer
-        self._parts = PartCalls(
-            model,
-            lambda: observer.training_forwards,
-            lambda: self._sampling,
-            observer.open_sample,
-            observer.finish_forward,
-        )
+        self._parts = PartCalls.of(self._observer, model, lambda: self._sampling)  # (``_parts``)
         self._begin()
         if folder is not None and main:
             log.info("TelemetryTracker: writing the run directory to %s", folder.path)

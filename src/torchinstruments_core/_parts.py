@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
     from torch.utils.hooks import RemovableHandle
 
+    from torchinstruments_core._observer import Observer
+
 _WRAPPERS = ("_original_module", "module", "_orig_mod")
 """Attributes under which a wrapper keeps the model it wraps (Fabric, DDP, ``torch.compile``)."""
 
@@ -79,6 +81,19 @@ class PartCalls:
         for name, part in parts:
             self._handles.append(part.register_forward_pre_hook(self._pre_hook(name)))
             self._handles.append(part.register_forward_hook(self._post_hook, always_call=True))
+
+    @classmethod
+    def of(
+        cls, observer: Observer, model: nn.Module, sampled: Callable[[], int | None]
+    ) -> PartCalls:
+        """The part calls of ``model``, watched by ``observer``; ``sampled`` as above."""
+        return cls(
+            model,
+            lambda: observer.training_forwards,
+            sampled,
+            observer.open_sample,
+            observer.finish_forward,
+        )
 
     def _pre_hook(self, name: str) -> Callable[[nn.Module, Any], None]:
         def called(module: nn.Module, args: Any) -> None:

@@ -282,14 +282,8 @@ class FabricTelemetry(TelemetryOptions):
             on_optimizer=self._observer.watch_optimizer,
             optimizers=optimizers,
         )
-        observer = self._observer
-        self._parts = PartCalls(  # a loop that calls the model's parts (``gan.G(z)``)
-            model,
-            lambda: observer.training_forwards,
-            lambda: self._sampling,
-            observer.open_sample,
-            observer.finish_forward,
-        )
+        # a loop that calls the model's parts (``gan.G(z)``)
+        self._parts = PartCalls.of(self._observer, model, lambda: self._sampling)
         self._begin()
 
     def _on_optimizer_step(self) -> None:
